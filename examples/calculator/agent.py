@@ -1,0 +1,100 @@
+"""A calculator agent written against the public OpenAI client only.
+
+It knows nothing of tracerl: it is given a base_url, an api_key and a model name, and runs a
+plain tool-calling loop (model -> tool call -> calculator result -> model -> final answer).
+Point base_url at any OpenAI-compatible server and it works the same.
+"""
+
+from __future__ import annotations
+
+import ast
+import json
+import operator
+import os
+import sys
+
+from openai import OpenAI
+
+SYSTEM_PROMPT = "Use the calculator, then answer with the number."
+
+TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "calculator",
+            "description": "Evaluate an arithmetic expression.",
+            "parameters": {
+                "type": "object",
+                "properties": {"expression": {"type": "string"}},
+                "required": ["expression"],
+            },
+        },
+    }
+]
+
+MAX_TURNS = 4
+
+_OPS = {
+    ast.Add: operator.add,
+    ast.Sub: operator.sub,
+    ast.Mult: operator.mul,
+    ast.USub: operator.neg,
+}
+
+
+def calculate(expression: str) -> str:
+    """Evaluate +, -, * over integers without eval(); errors come back as text."""
+
+    def ev(node: ast.AST) -> int:
+        if isinstance(node, ast.Constant) and isinstance(node.value, int):
+            return node.value
+        if isinstance(node, ast.BinOp) and type(node.op) in _OPS:
+            return _OPS[type(node.op)](ev(node.left), ev(node.right))
+        if isinstance(node, ast.UnaryOp) and type(node.op) in _OPS:
+            return _OPS[type(node.op)](ev(node.operand))
+        raise ValueError("unsupported expression")
+
+    try:
+        return str(ev(ast.parse(expression, mode="eval").body))
+    except (SyntaxError, ValueError, RecursionError):
+        return "error"
+
+
+def run(task: dict, *, base_url: str, api_key: str, model: str) -> str:
+    """Solve one task ({"question": ...}); returns the final answer text."""
+    client = OpenAI(base_url=base_url, api_key=api_key, max_retries=0)
+    messages: list = [
+        {"role": "system", "content": SYSTEM_PROMPT},
+        {"role": "user", "content": task["question"]},
+    ]
+    for _ in range(MAX_TURNS):
+        reply = client.chat.completions.create(
+            model=model, messages=messages, tools=TOOLS, max_tokens=48
+        )
+        message = reply.choices[0].message
+        messages.append(message.model_dump(exclude_none=True))
+        if not message.tool_calls:
+            return (message.content or "").strip()
+        for call in message.tool_calls:
+            try:
+                expression = json.loads(call.function.arguments).get("expression", "")
+            except (json.JSONDecodeError, AttributeError):
+                expression = ""
+            messages.append(
+                {"role": "tool", "tool_call_id": call.id, "content": calculate(str(expression))}
+            )
+    return ""
+
+
+if __name__ == "__main__":
+    # The external-command form: configuration from the environment, the task as JSON on
+    # argv[1] (or stdin), the answer as the last line of stdout.
+    raw = sys.argv[1] if len(sys.argv) > 1 else sys.stdin.read()
+    print(
+        run(
+            json.loads(raw),
+            base_url=os.environ["OPENAI_BASE_URL"],
+            api_key=os.environ.get("OPENAI_API_KEY", "none"),
+            model=os.environ.get("OPENAI_MODEL", "policy"),
+        )
+    )

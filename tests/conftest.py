@@ -1,0 +1,34 @@
+"""Shared fixtures: tiny models built locally, once per test session."""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "examples" / "calculator"))
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A random-init tiny model whose tokenizer knows the calculator conversations."""
+    from expert import demonstrations
+
+    from tracerl.models.template import render_chat
+    from tracerl.models.tiny import TinyModelConfig, build_tiny_model
+
+    texts = [render_chat(d["messages"], d["tools"]) for d in demonstrations(300, seed=7)]
+    out = tmp_path_factory.mktemp("tiny")
+    return build_tiny_model(out, texts, TinyModelConfig(hidden_size=64, num_layers=2, seed=0))
+
+
+@pytest.fixture(scope="session")
+def calculator_model_dir() -> Path:
+    """The demo's warm-started calculator model (built once into $TRACERL_HOME, cached)."""
+    os.environ.setdefault("TRACERL_HOME", str(ROOT / ".tracerl"))
+    from tracerl.demo import ensure_calculator_model
+
+    return ensure_calculator_model()

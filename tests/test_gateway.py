@@ -1,0 +1,297 @@
+"""The gateway driven by the official openai client: tool calls, streaming, multi-turn,
+n > 1, stop sequences, token-in/token-out, and every bad-input case with its 4xx error."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+from agent import TOOLS
+from transformers import AutoTokenizer
+
+from tracerl.gateway import Gateway, ServedModel, create_app
+from tracerl.server import BackgroundServer, serve_in_thread
+from tracerl.store.sqlite import SqliteStore
+from tracerl.types import Generation, SamplingParams, Task
+
+CALL = '<tool_call>{"name": "calculator", "arguments": {"expression": "37+48"}}</tool_call>'
+
+
+class ScriptedEngine:
+    """Answers like a perfect calculator model: a tool call first, the number after."""
+
+    def __init__(self, tokenizer, max_context: int = 512) -> None:  # type: ignore[no-untyped-def]
+        self.tokenizer = tokenizer
+        self.eos = tokenizer.convert_tokens_to_ids("<|end|>")
+        self.eos_token_ids = [self.eos]
+        self.max_context = max_context
+        self.policy_version = 3
+        self.prompts: list[list[int]] = []
+
+    async def generate(self, prompt_ids: list[int], params: SamplingParams) -> Generation:
+        self.prompts.append(prompt_ids)
+        text = self.tokenizer.decode(prompt_ids, skip_special_tokens=False)
+        turns = text.split("<|end|>")
+        last_turn = turns[-2] if len(turns) > 1 else ""
+        reply = "85" if "<|tool|>" in last_turn else CALL
+        ids = [*self.tokenizer.encode(reply, add_special_tokens=False), self.eos]
+        finish = "stop"
+        if len(ids) > params.max_tokens:
+            ids, finish = ids[: params.max_tokens], "length"
+        return Generation(
+            completion_ids=ids,
+            logprobs=[-0.1] * len(ids),
+            finish_reason=finish,
+            policy_version=self.policy_version,
+        )
+
+    def load_weights(self, path: str, version: int) -> None:
+        self.policy_version = version
+
+    def close(self) -> None:
+        pass
+
+
+@pytest.fixture
+def served(tiny_model_dir: Path) -> Iterator[tuple[BackgroundServer, SqliteStore, ScriptedEngine]]:
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    engine = ScriptedEngine(tokenizer)
+    store = SqliteStore(":memory:")
+    gateway = Gateway(store, {"policy": ServedModel("policy", engine, tokenizer)})
+    server = serve_in_thread(create_app(gateway))
+    yield server, store, engine
+    server.stop()
+    store.close()
+
+
+def _running_rollout(store: SqliteStore) -> str:
+    store.add_tasks([Task(id="t1", input={"question": "What is 37+48?"}, answer=85)])
+    store.enqueue(["t1"])
+    return store.claim("test-runner", 1, 60.0)[0].id
+
+
+def _client(url: str, rollout_id: str | None = None) -> openai.OpenAI:
+    base = f"{url}/rollouts/{rollout_id}/v1" if rollout_id else f"{url}/v1"
+    return openai.OpenAI(base_url=base, api_key="x", max_retries=0)
+
+
+MESSAGES = [
+    {"role": "system", "content": "Use the calculator, then answer with the number."},
+    {"role": "user", "content": "What is 37+48?"},
+]
+
+
+def test_tool_call_then_answer_reuses_exact_ids(served) -> None:  # type: ignore[no-untyped-def]
+    server, store, engine = served
+    rid = _running_rollout(store)
+    client = _client(server.url, rid)
+    first = client.chat.completions.create(model="policy", messages=MESSAGES, tools=TOOLS)
+    msg = first.choices[0].message
+    assert first.choices[0].finish_reason == "tool_calls"
+    assert msg.tool_calls and msg.tool_calls[0].function.name == "calculator"
+    assert json.loads(msg.tool_calls[0].function.arguments) == {"expression": "37+48"}
+    assert first.usage and first.usage.prompt_tokens == len(engine.prompts[0])
+    history = [*MESSAGES, msg.model_dump(exclude_none=True)]
+    history.append({"role": "tool", "tool_call_id": msg.tool_calls[0].id, "content": "85"})
+    second = client.chat.completions.create(model="policy", messages=history, tools=TOOLS)
+    assert second.choices[0].message.content == "85"
+    assert second.choices[0].finish_reason == "stop"
+    spans = store.spans(rid)
+    assert [s.seq for s in spans] == [0, 1]
+    s0, s1 = spans
+    assert s1.prompt_ids[: len(s0.prompt_ids) + len(s0.completion_ids)] == (
+        s0.prompt_ids + s0.completion_ids
+    )
+    assert s1.prefix_reused == len(s0.prompt_ids) + len(s0.completion_ids)
+    assert s1.prefix_break is None
+    assert s0.policy_version == 3 and s0.role == "policy"
+    assert s0.logprobs == pytest.approx([-0.1] * len(s0.completion_ids))
+    # Without token-in/token-out the re-rendered prompt would differ from what was sampled
+    # whenever the template spells the call differently; here it must agree token for token.
+    assert engine.prompts[1] == s1.prompt_ids
+
+
+def test_edited_history_is_a_recorded_prefix_break(served) -> None:  # type: ignore[no-untyped-def]
+    server, store, _ = served
+    rid = _running_rollout(store)
+    client = _client(server.url, rid)
+    client.chat.completions.create(model="policy", messages=MESSAGES, tools=TOOLS)
+    edited = [
+        MESSAGES[0],
+        {"role": "user", "content": "What is 1+1?"},
+        {"role": "assistant", "content": "2"},
+        {"role": "user", "content": "and 37+48?"},
+    ]
+    client.chat.completions.create(model="policy", messages=edited, tools=TOOLS)
+    assert store.spans(rid)[1].prefix_break == "edited history"
+    assert store.spans(rid)[1].prefix_reused == 0
+
+
+def test_streaming_reassembles_to_the_same_message(served) -> None:  # type: ignore[no-untyped-def]
+    server, store, _ = served
+    rid = _running_rollout(store)
+    client = _client(server.url, rid)
+    plain = client.chat.completions.create(model="policy", messages=MESSAGES, tools=TOOLS)
+    stream = client.chat.completions.create(
+        model="policy",
+        messages=MESSAGES,
+        tools=TOOLS,
+        stream=True,
+        stream_options={"include_usage": True},
+    )
+    content, calls, finish, usage = "", {}, None, None
+    for chunk in stream:
+        usage = chunk.usage or usage
+        for choice in chunk.choices:
+            content += choice.delta.content or ""
+            for tc in choice.delta.tool_calls or []:
+                entry = calls.setdefault(tc.index, {"name": "", "arguments": ""})
+                entry["name"] += tc.function.name or ""
+                entry["arguments"] += tc.function.arguments or ""
+            finish = choice.finish_reason or finish
+    want = plain.choices[0].message.tool_calls
+    assert want and [(c["name"], c["arguments"]) for c in calls.values()] == [
+        (t.function.name, t.function.arguments) for t in want
+    ]
+    assert content == (plain.choices[0].message.content or "")
+    assert finish == "tool_calls" and usage is not None and usage.completion_tokens > 0
+    assert len(store.spans(rid)) == 2  # the streamed call was recorded too
+
+
+def test_streamed_text_reassembles(served) -> None:  # type: ignore[no-untyped-def]
+    server, _, _ = served
+    client = _client(server.url)
+    history = [*MESSAGES, {"role": "assistant", "content": ""}, {"role": "tool", "content": "85"}]
+    plain = client.chat.completions.create(model="policy", messages=history)
+    pieces = [
+        c.choices[0].delta.content or ""
+        for c in client.chat.completions.create(model="policy", messages=history, stream=True)
+        if c.choices
+    ]
+    assert "".join(pieces) == plain.choices[0].message.content == "85"
+
+
+def test_n_choices_each_recorded(served) -> None:  # type: ignore[no-untyped-def]
+    server, store, _ = served
+    rid = _running_rollout(store)
+    reply = _client(server.url, rid).chat.completions.create(
+        model="policy", messages=MESSAGES, tools=TOOLS, n=3, seed=5
+    )
+    assert [c.index for c in reply.choices] == [0, 1, 2]
+    assert len(store.spans(rid)) == 3
+
+
+def test_header_attribution_and_logprobs(served) -> None:  # type: ignore[no-untyped-def]
+    server, store, _ = served
+    rid = _running_rollout(store)
+    client = openai.OpenAI(
+        base_url=f"{server.url}/v1",
+        api_key="x",
+        max_retries=0,
+        default_headers={"X-Tracerl-Rollout": rid},
+    )
+    reply = client.chat.completions.create(model="policy", messages=MESSAGES, logprobs=True)
+    lp = reply.choices[0].logprobs
+    assert lp and lp.content and all(t.logprob == pytest.approx(-0.1) for t in lp.content)
+    assert len(store.spans(rid)) == 1
+
+
+def test_max_tokens_truncates(served) -> None:  # type: ignore[no-untyped-def]
+    server, _, _ = served
+    reply = _client(server.url).chat.completions.create(
+        model="policy", messages=MESSAGES, tools=TOOLS, max_tokens=3
+    )
+    assert reply.choices[0].finish_reason == "length"
+    assert reply.usage and reply.usage.completion_tokens == 3
+
+
+def test_models_and_completions(served) -> None:  # type: ignore[no-untyped-def]
+    server, _, _ = served
+    client = _client(server.url)
+    assert [m.id for m in client.models.list()] == ["policy"]
+    reply = client.completions.create(model="policy", prompt="<|user|>hi<|end|>", max_tokens=40)
+    assert reply.choices[0].text
+
+
+@pytest.mark.parametrize(
+    ("body", "status", "code"),
+    [
+        ({"model": "nope", "messages": MESSAGES}, 404, "model_not_found"),
+        ({"model": "policy", "messages": []}, 400, None),
+        ({"model": "policy", "messages": [{"role": "wizard", "content": "x"}]}, 400, None),
+        ({"model": "policy", "messages": MESSAGES, "temperature": 5}, 400, None),
+        ({"model": "policy", "messages": MESSAGES, "top_p": 0}, 400, None),
+        ({"model": "policy", "messages": MESSAGES, "n": 0}, 400, None),
+        ({"model": "policy", "messages": MESSAGES, "max_tokens": 0}, 400, None),
+        ({"model": "policy", "messages": MESSAGES, "stop": ["a", "b", "c", "d", "e"]}, 400, None),
+        ({"model": "policy", "messages": MESSAGES, "tools": [{"type": "web"}]}, 400, None),
+        (
+            {
+                "model": "policy",
+                "messages": MESSAGES,
+                "tools": [{"type": "function", "function": {"name": "bad name!"}}],
+            },
+            400,
+            None,
+        ),
+        (
+            {
+                "model": "policy",
+                "messages": MESSAGES,
+                "tools": [
+                    {"type": "function", "function": {"name": "f", "parameters": {"type": "array"}}}
+                ],
+            },
+            400,
+            None,
+        ),
+        (
+            {"model": "policy", "messages": [{"role": "user", "content": "x" * 4000}]},
+            400,
+            "context_length_exceeded",
+        ),
+    ],
+)
+def test_bad_requests_get_openai_errors(served, body, status, code) -> None:  # type: ignore[no-untyped-def]
+    server, _, _ = served
+    resp = httpx.post(f"{server.url}/v1/chat/completions", json=body)
+    assert resp.status_code == status, resp.text
+    err = resp.json()["error"]
+    assert err["message"] and err["type"]
+    if code:
+        assert err["code"] == code
+
+
+def test_malformed_json_and_rollout_errors(served) -> None:  # type: ignore[no-untyped-def]
+    server, store, _ = served
+    resp = httpx.post(
+        f"{server.url}/v1/chat/completions",
+        content=b"{not json",
+        headers={"content-type": "application/json"},
+    )
+    assert resp.status_code == 400 and "JSON" in resp.json()["error"]["message"]
+    with pytest.raises(openai.NotFoundError):
+        _client(server.url, "no-such-rollout").chat.completions.create(
+            model="policy", messages=MESSAGES
+        )
+    rid = _running_rollout(store)
+    rollout = store.get_rollout(rid)
+    from tracerl.types import RolloutStatus
+
+    store.finish(rid, rollout.attempt, RolloutStatus.succeeded, "85", 1.0)
+    with pytest.raises(openai.ConflictError):
+        _client(server.url, rid).chat.completions.create(model="policy", messages=MESSAGES)
+    resp = httpx.post(f"{server.url}/rollouts/{rid}/reward", json={"value": "high"})
+    assert resp.status_code == 400
+
+
+def test_reward_over_http(served) -> None:  # type: ignore[no-untyped-def]
+    server, store, _ = served
+    rid = _running_rollout(store)
+    resp = httpx.post(f"{server.url}/rollouts/{rid}/reward", json={"value": 0.5})
+    assert resp.status_code == 200
+    assert [r.value for r in store.rewards(rid)] == [0.5]

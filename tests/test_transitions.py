@@ -1,0 +1,142 @@
+"""Spans -> training rows: prefix merging, loss masks, log-prob alignment, returns."""
+
+from __future__ import annotations
+
+import pytest
+
+from tracerl.algorithms.transitions import spans_to_transitions
+from tracerl.types import Span
+
+
+def span(
+    seq: int,
+    prompt: list[int],
+    completion: list[int],
+    *,
+    role: str = "policy",
+    version: int = 0,
+    rollout_id: str = "r1",
+    temperature: float = 1.0,
+) -> Span:
+    # Distinct, recognisable log-probs: -(seq + 1) - 0.01 * position.
+    lps = [-(seq + 1) - 0.01 * i for i in range(len(completion))]
+    return Span(
+        id=f"{rollout_id}-{role}-{seq}",
+        rollout_id=rollout_id,
+        attempt=1,
+        seq=seq,
+        role=role,
+        policy_version=version,
+        prompt_ids=prompt,
+        completion_ids=completion,
+        logprobs=lps,
+        temperature=temperature,
+    )
+
+
+def calculator_rollout() -> list[Span]:
+    """4 turns: question -> tool call -> result -> tool call -> result -> ... -> answer."""
+    p0 = [1, 2, 3]
+    c0, t1 = [10, 11], [4, 5]
+    c1, t2 = [12, 13, 14], [6]
+    c2, t3 = [15], [7, 8]
+    c3 = [16, 17, 99]  # ends with the end token
+    p1 = p0 + c0 + t1
+    p2 = p1 + c1 + t2
+    p3 = p2 + c2 + t3
+    return [
+        span(0, p0, c0, version=3),
+        span(1, p1, c1, version=3),
+        span(2, p2, c2, version=4),
+        span(3, p3, c3, version=4),
+    ]
+
+
+def test_four_turn_rollout_merges_into_one_row() -> None:
+    spans = calculator_rollout()
+    (row,) = spans_to_transitions(spans, 1.0, group_id="g", task_id="t")
+    assert row.input_ids == [1, 2, 3, 10, 11, 4, 5, 12, 13, 14, 6, 15, 7, 8, 16, 17, 99]
+    assert row.loss_mask == [0, 0, 0, 1, 1, 0, 0, 1, 1, 1, 0, 1, 0, 0, 1, 1, 1]
+    assert row.span_ids == [s.id for s in spans] and row.num_spans == 4
+    assert row.reward == 1.0 and row.group_id == "g" and row.task_id == "t"
+    assert row.advantages == [0.0] * len(row.input_ids)
+    # Reference alignment: walk the spans' completions and find each one in the row.
+    expected_lp: dict[int, float] = {}
+    expected_v: dict[int, int] = {}
+    for s in spans:
+        start = len(s.prompt_ids)
+        assert row.input_ids[start : start + len(s.completion_ids)] == s.completion_ids
+        for i, lp in enumerate(s.logprobs):
+            expected_lp[start + i] = lp
+            expected_v[start + i] = s.policy_version
+    for t in range(len(row.input_ids)):
+        assert row.behaviour_logprobs[t] == expected_lp.get(t, 0.0)
+        assert row.versions[t] == expected_v.get(t, -1)
+        assert row.loss_mask[t] == (1 if t in expected_lp else 0)
+
+
+def test_merged_row_costs_fewer_tokens_than_one_row_per_span() -> None:
+    spans = calculator_rollout()
+    (row,) = spans_to_transitions(spans, 1.0, group_id="g", task_id="t")
+    per_span = sum(len(s.prompt_ids) + len(s.completion_ids) for s in spans)
+    assert len(row.input_ids) == 17 and per_span == 45
+    assert sum(row.loss_mask) == sum(len(s.completion_ids) for s in spans)
+
+
+def test_edited_history_starts_a_new_row() -> None:
+    s0, s1, s2, s3 = calculator_rollout()
+    edited = list(s2.prompt_ids)
+    edited[4] = 42  # the agent rewrote its first answer
+    s2 = s2.model_copy(update={"prompt_ids": edited})
+    s3 = s3.model_copy(update={"prompt_ids": edited + s2.completion_ids + [7, 8]})
+    rows = spans_to_transitions([s0, s1, s2, s3], 0.5, group_id="g", task_id="t")
+    assert [r.span_ids for r in rows] == [[s0.id, s1.id], [s2.id, s3.id]]
+    second = rows[1]
+    assert second.input_ids == s3.prompt_ids + s3.completion_ids
+    # The whole edited prompt is context, only the two completions are sampled.
+    n2 = len(edited)
+    assert second.loss_mask == [0] * n2 + [1] + [0, 0] + [1, 1, 1]
+
+
+def test_two_roles_give_separate_rows() -> None:
+    planner = [span(0, [1, 2], [10], role="planner"), span(2, [1, 2, 10, 3], [11], role="planner")]
+    executor = [span(1, [5], [20, 21], role="executor"), span(3, [5, 20, 21, 6], [22], role="executor")]
+    rows = spans_to_transitions(
+        [planner[0], executor[0], planner[1], executor[1]], 1.0, group_id="g", task_id="t"
+    )
+    assert [(r.role, r.input_ids) for r in rows] == [
+        ("planner", [1, 2, 10, 3, 11]),
+        ("executor", [5, 20, 21, 6, 22]),
+    ]
+    assert rows[1].loss_mask == [0, 1, 1, 0, 1]
+
+
+def test_interleaved_conversations_of_one_role_each_merge() -> None:
+    a0 = span(0, [1, 2], [10])
+    b1 = span(1, [7, 8], [20])
+    a2 = span(2, [1, 2, 10, 3], [11])
+    rows = spans_to_transitions([a0, b1, a2], 0.0, group_id="g", task_id="t")
+    assert [r.span_ids for r in rows] == [[a0.id, a2.id], [b1.id]]
+
+
+def test_step_rewards_add_to_the_row_holding_the_span() -> None:
+    s0, s1, s2, s3 = calculator_rollout()
+    s2 = s2.model_copy(update={"prompt_ids": [9] + s2.prompt_ids})  # break after turn 1
+    s3 = s3.model_copy(update={"prompt_ids": [9] + s3.prompt_ids})
+    rows = spans_to_transitions([s0, s1, s2, s3], 1.0, {1: 0.25, 3: -0.5}, group_id="g", task_id="t")
+    assert [r.reward for r in rows] == [1.25, 0.5]
+
+
+def test_temperature_change_starts_a_new_row_and_is_recorded() -> None:
+    s0 = span(0, [1, 2], [10], temperature=0.7)
+    s1 = span(1, [1, 2, 10, 3], [11], temperature=1.0)
+    rows = spans_to_transitions([s0, s1], 0.0, group_id="g", task_id="t")
+    assert [r.temperature for r in rows] == [0.7, 1.0]
+
+
+def test_spans_of_two_rollouts_are_refused() -> None:
+    with pytest.raises(ValueError):
+        spans_to_transitions(
+            [span(0, [1], [2]), span(1, [1, 2], [3], rollout_id="r2")], 0.0, group_id="g", task_id="t"
+        )
+    assert spans_to_transitions([], 1.0, group_id="g", task_id="t") == []

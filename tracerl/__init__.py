@@ -1,0 +1,1 @@
+"""tracerl: reinforcement learning for LLM agents from their traces."""

@@ -1,0 +1,117 @@
+"""Credit assignment: the spans of one finished rollout become training rows.
+
+Calls of one role whose prompt extends an earlier call's prompt + completion are merged
+into one row, so a multi-turn conversation is trained as one sequence in which every token
+appears once: the sampled completions carry mask 1 and their behaviour log-probs, the
+tool/user turns in between carry mask 0. A call whose prompt does not extend any open row
+(edited history, template drift, a second conversation) starts a new row.
+
+Returns: every row gets the rollout's final reward; a per-step reward (keyed by span seq)
+is added to the return of the row that holds that span only (undiscounted, not propagated
+to other rows). With prefix merging a rollout is usually one row, so step rewards then just
+add to the rollout's total return.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from tracerl.types import Span, Transition
+
+__all__ = ["spans_to_transitions"]
+
+
+@dataclass
+class _Row:
+    """A row being built; frozen into a Transition at the end."""
+
+    role: str
+    temperature: float
+    input_ids: list[int] = field(default_factory=list)
+    loss_mask: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    versions: list[int] = field(default_factory=list)
+    span_ids: list[str] = field(default_factory=list)
+    seqs: list[int] = field(default_factory=list)
+
+    def extends(self, span: Span) -> bool:
+        """Whether the span's prompt starts with this row's whole sequence."""
+        n = len(self.input_ids)
+        return (
+            span.temperature == self.temperature
+            and len(span.prompt_ids) >= n
+            and span.prompt_ids[:n] == self.input_ids
+        )
+
+    def append(self, span: Span) -> None:
+        """Add the new part of the span's prompt (context) and its completion (sampled)."""
+        context = span.prompt_ids[len(self.input_ids) :]
+        self.input_ids += context + span.completion_ids
+        self.loss_mask += [0] * len(context) + [1] * len(span.completion_ids)
+        self.logprobs += [0.0] * len(context) + list(span.logprobs)
+        self.versions += [-1] * len(context) + [span.policy_version] * len(span.completion_ids)
+        self.span_ids.append(span.id)
+        self.seqs.append(span.seq)
+
+
+def _merge_role(spans: list[Span]) -> list[_Row]:
+    """Merge one role's spans (in seq order) into rows."""
+    rows: list[_Row] = []
+    for span in spans:
+        if len(span.logprobs) != len(span.completion_ids):
+            raise ValueError(f"span {span.id}: logprobs and completion_ids differ in length")
+        # Latest open row first: the common case is a conversation that keeps growing.
+        row = next((r for r in reversed(rows) if r.extends(span)), None)
+        if row is None:
+            row = _Row(role=span.role, temperature=span.temperature)
+            rows.append(row)
+        row.append(span)
+    return rows
+
+
+def spans_to_transitions(
+    spans: list[Span],
+    reward: float,
+    step_rewards: dict[int, float] | None = None,
+    *,
+    group_id: str,
+    task_id: str,
+) -> list[Transition]:
+    """Turn the spans of one rollout attempt into training rows, one or more per role.
+
+    Roles come out in order of first appearance, and a role's rows in order of their first
+    call. `step_rewards` maps a span seq to a reward added to its row's return.
+    """
+    if not spans:
+        return []
+    rollout_ids = {(s.rollout_id, s.attempt) for s in spans}
+    if len(rollout_ids) != 1:
+        raise ValueError(f"spans of one rollout attempt expected, got {sorted(rollout_ids)}")
+    by_role: dict[str, list[Span]] = {}
+    for span in spans:
+        by_role.setdefault(span.role, []).append(span)
+    steps = step_rewards or {}
+    out = []
+    for role_spans in by_role.values():
+        for row in _merge_role(sorted(role_spans, key=lambda s: s.seq)):
+            ret = reward + sum(steps.get(seq, 0.0) for seq in row.seqs)
+            out.append(_freeze(row, spans[0].rollout_id, group_id, task_id, ret))
+    return out
+
+
+def _freeze(row: _Row, rollout_id: str, group_id: str, task_id: str, ret: float) -> Transition:
+    return Transition(
+        rollout_id=rollout_id,
+        group_id=group_id,
+        task_id=task_id,
+        role=row.role,
+        input_ids=row.input_ids,
+        loss_mask=row.loss_mask,
+        behaviour_logprobs=row.logprobs,
+        versions=row.versions,
+        advantages=[0.0] * len(row.input_ids),
+        reward=ret,
+        span_ids=row.span_ids,
+        num_spans=len(row.span_ids),
+        temperature=row.temperature,
+    )

@@ -1,0 +1,366 @@
+"""The `tracerl` command: one typed config per entry point, the CLI generated from it.
+
+Every field of every command is documented and settable as --field (nested ones as
+--section.field); `tracerl <command> --help` lists them. Each run saves its resolved
+config next to its outputs.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import sys
+import time
+from pathlib import Path
+
+from pydantic import BaseModel, ConfigDict, Field
+from pydantic_settings import BaseSettings, CliApp, CliPositionalArg, CliSubCommand
+from rich.console import Console
+
+from tracerl.runner import RewardFn, RunnerConfig, load_agent, load_callable
+from tracerl.stack import EngineConfig
+
+console = Console()
+LATEST = Path("runs") / ".latest_store"
+
+
+class _Cmd(BaseModel):
+    model_config = ConfigDict(use_attribute_docstrings=True, extra="forbid")
+
+
+def _run_dir(root: str, name: str) -> Path:
+    path = Path(root) / name
+    path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+def _save_config(run_dir: Path, cmd: BaseModel) -> None:
+    (run_dir / "config.json").write_text(cmd.model_dump_json(indent=2))
+
+
+def _remember_store(path: Path) -> None:
+    LATEST.parent.mkdir(parents=True, exist_ok=True)
+    LATEST.write_text(str(path.resolve()))
+
+
+def _reward_fn(spec: str | None) -> RewardFn | None:
+    return load_callable(spec) if spec else None
+
+
+class Demo(_Cmd):
+    """Build (or reuse) the weak tiny calculator model and evaluate the calculator agent
+    on held-out tasks through the gateway."""
+
+    eval_tasks: int = Field(default=200, ge=1)
+    """Held-out tasks to evaluate on."""
+    name: str = "demo"
+    """Run name: outputs go to <runs>/<name>/."""
+    runs: str = "runs"
+    """Folder holding runs."""
+    sft_steps: int | None = None
+    """Warm-start steps for the tiny model (default: the calibrated value)."""
+    seed: int = 0
+    """Seed of the model build."""
+    rebuild: bool = False
+    """Rebuild the tiny model even if it is cached."""
+    runner: RunnerConfig = RunnerConfig(concurrency=32)
+    """How rollouts are run."""
+    engine: EngineConfig = EngineConfig()
+    """How the model is served."""
+
+    def cli_cmd(self) -> None:
+        from tracerl.demo import ensure_calculator_model, example_dir, example_module
+        from tracerl.evaluate import evaluate
+        from tracerl.runner import python_agent
+        from tracerl.stack import start_stack
+        from tracerl.types import Task
+
+        run_dir = _run_dir(self.runs, self.name)
+        _save_config(run_dir, self)
+        console.print("[bold]tracerl demo[/bold]: calculator agent, tiny model, CPU")
+        started = time.perf_counter()
+        model_dir = ensure_calculator_model(self.sft_steps, self.seed, self.rebuild)
+        console.print(f"model: {model_dir} ({time.perf_counter() - started:.1f} s)")
+        tasks_mod = example_module("calculator", "tasks")
+        tasks = [Task.model_validate(t) for t in tasks_mod.make_tasks(self.eval_tasks, "eval", 1)]
+        agent_mod = example_module("calculator", "agent")
+        reward_mod = example_module("calculator", "reward")
+        store_path = run_dir / "traces.db"
+        stack = start_stack(model_dir, store_path, self.engine)
+        _remember_store(store_path)
+        from concurrent.futures import ThreadPoolExecutor
+
+        with ThreadPoolExecutor(self.runner.concurrency) as threads:
+            agent = python_agent(agent_mod.run, threads)
+            try:
+                rep = evaluate(
+                    stack.store, stack.url, agent, reward_mod.reward, tasks, 1, self.runner
+                )
+            finally:
+                stack.close()
+        (run_dir / "eval.json").write_text(rep.model_dump_json(indent=2))
+        console.print(f"agent: {example_dir('calculator') / 'agent.py'} (unchanged openai code)")
+        _print_report(rep)
+        console.print(f"traces: {store_path}  (tracerl traces list / tracerl traces show <id>)")
+
+
+class Eval(_Cmd):
+    """Run N rollouts of any agent through the gateway and report success and traces."""
+
+    agent: CliPositionalArg[str]
+    """The agent: 'file.py:function', 'module:function', or 'cmd:<command line>'."""
+    tasks: str
+    """Task file (JSONL: one {"id", "input", "answer", "split"} per line)."""
+    model: str
+    """Local HF model directory to serve."""
+    reward: str | None = None
+    """Reward function 'file.py:function' called as f(task, answer); optional when the
+    agent returns or emits its own reward."""
+    split: str | None = None
+    """Only tasks of this split (default: all)."""
+    repeats: int = Field(default=1, ge=1)
+    """Rollouts per task."""
+    model_name: str = "policy"
+    """The model name the agent is told to use."""
+    name: str = "eval"
+    """Run name: outputs go to <runs>/<name>/."""
+    runs: str = "runs"
+    """Folder holding runs."""
+    runner: RunnerConfig = RunnerConfig()
+    """How rollouts are run."""
+    engine: EngineConfig = EngineConfig()
+    """How the model is served."""
+
+    def cli_cmd(self) -> None:
+        from concurrent.futures import ThreadPoolExecutor
+
+        from tracerl.evaluate import evaluate, load_tasks
+        from tracerl.stack import start_stack
+
+        tasks = load_tasks(self.tasks, self.split)
+        reward_fn = _reward_fn(self.reward)
+        run_dir = _run_dir(self.runs, self.name)
+        _save_config(run_dir, self)
+        store_path = run_dir / "traces.db"
+        stack = start_stack(self.model, store_path, self.engine, self.model_name)
+        _remember_store(store_path)
+        cfg = self.runner.model_copy(update={"model": self.model_name})
+        with ThreadPoolExecutor(cfg.concurrency) as threads:
+            agent = load_agent(self.agent, threads)
+            try:
+                rep = evaluate(stack.store, stack.url, agent, reward_fn, tasks, self.repeats, cfg)
+            finally:
+                stack.close()
+        (run_dir / "eval.json").write_text(rep.model_dump_json(indent=2))
+        _print_report(rep)
+        console.print(f"traces: {store_path}")
+
+
+def _print_report(rep: BaseModel) -> None:
+    data = rep.model_dump()
+    console.print(
+        f"[bold green]success {data['success_rate']:.1%}[/bold green] over "
+        f"{data['rollouts']} rollouts · mean reward {data['mean_reward']:.3f} · "
+        f"{data['mean_calls']:.2f} calls/rollout · {data['wall_s']:.1f} s"
+    )
+    console.print(
+        f"statuses {data['statuses']} · prompt {data['mean_prompt_tokens']:.0f} tok/call · "
+        f"completion {data['mean_completion_tokens']:.1f} tok/call · reused "
+        f"{data['reused_fraction']:.1%} of prompt tokens · {data['prefix_breaks']} prefix breaks "
+        f"· {data['completion_tokens_per_s']:.0f} completion tok/s"
+    )
+
+
+def _open_store(path: str | None):  # type: ignore[no-untyped-def]
+    from tracerl.store.sqlite import SqliteStore
+
+    if path is None:
+        if not LATEST.exists():
+            raise SystemExit("no store given and no previous run found; pass --store PATH")
+        path = LATEST.read_text().strip()
+    if path.startswith("http"):
+        from tracerl.store.http import StoreClient
+
+        return StoreClient(path)
+    if not Path(path).exists():
+        raise SystemExit(f"no store at {path}")
+    return SqliteStore(path)
+
+
+class TracesShow(_Cmd):
+    """Print one rollout: every model call with its messages, tokens, policy version,
+    latency, and the reward."""
+
+    rollout_id: CliPositionalArg[str]
+    """The rollout to show."""
+    store: str | None = None
+    """Store file or URL (default: the last run's)."""
+
+    def cli_cmd(self) -> None:
+        from tracerl.store import NotFound
+        from tracerl.traces import show_rollout
+
+        try:
+            show_rollout(_open_store(self.store), self.rollout_id, console)
+        except NotFound as e:
+            raise SystemExit(str(e)) from None
+
+
+class TracesList(_Cmd):
+    """List recent rollouts."""
+
+    store: str | None = None
+    """Store file or URL (default: the last run's)."""
+    limit: int = 20
+    """How many."""
+
+    def cli_cmd(self) -> None:
+        from tracerl.traces import list_rollouts
+
+        list_rollouts(_open_store(self.store), self.limit, console)
+
+
+class Traces(_Cmd):
+    """Read recorded traces."""
+
+    show: CliSubCommand[TracesShow]
+    list: CliSubCommand[TracesList]
+
+    def cli_cmd(self) -> None:
+        CliApp.run_subcommand(self)
+
+
+class Sft(_Cmd):
+    """Supervised warm start of a local model (or a new tiny one) from demonstrations."""
+
+    demos: str
+    """Demonstrations JSONL: one {"messages": [...], "tools": [...]} per line."""
+    out: str
+    """Output HF model directory."""
+    base: str | None = None
+    """Local HF model dir to start from; default: build a new tiny model on the demos."""
+    steps: int | None = None
+    """Optimizer steps (default: the calibrated calculator value)."""
+    lr: float | None = None
+    """Peak learning rate (default: SftConfig's)."""
+    seed: int = 0
+    """Seed."""
+
+    def cli_cmd(self) -> None:
+        from tracerl.models.sft import SftConfig, load_demos, sft
+        from tracerl.models.template import render_chat
+        from tracerl.models.tiny import TinyModelConfig, build_tiny_model
+
+        demos = load_demos(self.demos)
+        base = self.base
+        if base is None:
+            base = str(Path(self.out).with_name(Path(self.out).name + "-base"))
+            build_tiny_model(
+                base, [render_chat(d.messages, d.tools) for d in demos], TinyModelConfig()
+            )
+        update = {"seed": self.seed}
+        if self.steps is not None:
+            update["steps"] = self.steps
+        if self.lr is not None:
+            update["lr"] = self.lr  # type: ignore[assignment]
+        result = sft(base, demos, self.out, SftConfig().model_copy(update=update))
+        console.print(
+            f"saved {result.out_dir}: {result.steps} steps, final loss {result.final_loss:.3f}, "
+            f"{result.tokens_per_s:.0f} tok/s"
+        )
+
+
+class Serve(_Cmd):
+    """Run the store and the gateway as their own process, for runners elsewhere."""
+
+    model: str
+    """Local HF model directory to serve."""
+    store: str = "runs/serve/traces.db"
+    """SQLite store file."""
+    host: str = "127.0.0.1"
+    """Interface to listen on."""
+    port: int = 8000
+    """Port to listen on."""
+    model_name: str = "policy"
+    """The model name agents ask for."""
+    engine: EngineConfig = EngineConfig()
+    """How the model is served."""
+
+    def cli_cmd(self) -> None:
+        from tracerl.stack import start_stack
+
+        Path(self.store).parent.mkdir(parents=True, exist_ok=True)
+        stack = start_stack(
+            self.model, self.store, self.engine, self.model_name, self.host, self.port
+        )
+        console.print(f"gateway: {stack.url}/v1 · per rollout: {stack.url}/rollouts/<id>/v1")
+        console.print(f"store API: {stack.url}/store · file {self.store}")
+        try:
+            while stack.server.thread.is_alive():
+                time.sleep(0.5)
+        except KeyboardInterrupt:
+            pass
+        finally:
+            stack.close()
+
+
+class RunnerCmd(_Cmd):
+    """Run a pool of workers that claim rollouts from a remote store and run the agent."""
+
+    agent: CliPositionalArg[str]
+    """The agent: 'file.py:function', 'module:function', or 'cmd:<command line>'."""
+    url: str
+    """Base URL of `tracerl serve` (store API at <url>/store, gateway at <url>)."""
+    reward: str | None = None
+    """Reward function 'file.py:function'."""
+    until_idle: bool = True
+    """Exit once nothing is queued or running."""
+    runner: RunnerConfig = RunnerConfig()
+    """How rollouts are run."""
+
+    def cli_cmd(self) -> None:
+        from concurrent.futures import ThreadPoolExecutor
+
+        from tracerl.runner import Runner
+        from tracerl.store.http import StoreClient
+
+        store = StoreClient(self.url.rstrip("/") + "/store")
+        with ThreadPoolExecutor(self.runner.concurrency) as threads:
+            agent = load_agent(self.agent, threads)
+            runner = Runner(store, self.url, agent, _reward_fn(self.reward), self.runner)
+            asyncio.run(runner.run(until_idle=self.until_idle))
+        console.print(json.dumps({"runner": runner.id, "finished": runner.finished}))
+
+
+class Tracerl(
+    BaseSettings,
+    cli_prog_name="tracerl",
+    cli_kebab_case=False,
+    cli_implicit_flags=True,
+    cli_use_class_docs_for_groups=True,
+    use_attribute_docstrings=True,
+):
+    """tracerl: reinforcement learning for LLM agents from the traces of the agents as they
+    already are. Point your agent's base_url at the gateway; tracerl records, trains, serves."""
+
+    demo: CliSubCommand[Demo]
+    eval: CliSubCommand[Eval]
+    traces: CliSubCommand[Traces]
+    sft: CliSubCommand[Sft]
+    serve: CliSubCommand[Serve]
+    runner: CliSubCommand[RunnerCmd]
+
+    def cli_cmd(self) -> None:
+        CliApp.run_subcommand(self)
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Entry point of the `tracerl` command."""
+    args = sys.argv[1:] if argv is None else argv
+    if not args:
+        args = ["--help"]
+    CliApp.run(Tracerl, cli_args=args)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,49 @@
+"""Log-probs of sampled tokens, computed one way for the engine and for whoever re-scores.
+
+The engine records log_softmax(logits / T)[token] in fp32 before any top-p truncation (T = 1
+for greedy requests). `score_completion` recomputes exactly that with one unpadded forward
+pass, so a trainer (or a test) can check or recompute the behaviour policy's log-probs.
+Both sides call `logprobs_at_temperature`, so they cannot drift apart.
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers import PreTrainedModel
+
+__all__ = ["effective_temperature", "logprobs_at_temperature", "score_completion"]
+
+
+def effective_temperature(temperature: float) -> float:
+    """The temperature log-probs are taken at: the sampling one, or 1 for greedy (T = 0)."""
+    return temperature if temperature > 0 else 1.0
+
+
+def logprobs_at_temperature(logits_BV: torch.Tensor, temperature_B: torch.Tensor) -> torch.Tensor:
+    """log_softmax(logits / T) over the vocabulary, in fp32; temperature_B must be > 0."""
+    return torch.log_softmax(logits_BV.float() / temperature_B.float()[:, None], dim=-1)
+
+
+@torch.inference_mode()
+def score_completion(
+    model: PreTrainedModel,
+    prompt_ids: list[int],
+    completion_ids: list[int],
+    temperature: float = 1.0,
+) -> list[float]:
+    """Log-prob of each completion token given everything before it, at `temperature`.
+
+    One forward pass over prompt + completion, no padding; temperature 0 scores at T = 1,
+    as the engine records greedy requests.
+    """
+    if not completion_ids:
+        return []
+    device = next(model.parameters()).device
+    ids_1T = torch.tensor([prompt_ids + completion_ids], dtype=torch.long, device=device)
+    # The logits at positions len(prompt)-1 .. end-1 predict the completion tokens.
+    n = len(completion_ids)
+    logits_NV = model(input_ids=ids_1T, logits_to_keep=n + 1).logits[0, :-1]
+    temperature_N = torch.full((n,), effective_temperature(temperature), device=device)
+    logp_NV = logprobs_at_temperature(logits_NV, temperature_N)
+    target_N = ids_1T[0, -n:]
+    return logp_NV.gather(1, target_N[:, None])[:, 0].tolist()

@@ -1,0 +1,163 @@
+"""Run N rollouts of an agent through the gateway and report success and trace statistics.
+
+Evaluation is the same machinery as training without the update: tasks go into the store,
+rollouts are queued, a runner pool plays them through the gateway, and the recorded spans
+say how the agent used the model (calls per rollout, tokens, token reuse, latency).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import uuid
+from pathlib import Path
+from statistics import mean
+
+from pydantic import BaseModel, ValidationError
+from tqdm import tqdm
+
+from tracerl.runner import AgentFn, RewardFn, Runner, RunnerConfig
+from tracerl.store import Store
+from tracerl.types import Rollout, RolloutStatus, Task
+
+
+def load_tasks(path: str | Path, split: str | None = None) -> list[Task]:
+    """Tasks from JSONL: one {"id"?, "input", "answer"?, "split"?} object per line.
+
+    A line may also be a bare input object (no "input" key); ids default to the line number.
+    """
+    tasks = []
+    for n, line in enumerate(Path(path).read_text().splitlines(), start=1):
+        if not line.strip():
+            continue
+        try:
+            raw = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{path}:{n}: not valid JSON ({e.msg})") from None
+        if not isinstance(raw, dict):
+            raise ValueError(f"{path}:{n}: each line must be a JSON object")
+        if "input" not in raw:
+            raw = {"input": raw}
+        raw.setdefault("id", f"{Path(path).stem}-{n}")
+        try:
+            task = Task.model_validate(raw)
+        except ValidationError as e:
+            raise ValueError(f"{path}:{n}: {e.errors()[0]['msg']}") from None
+        if split is None or task.split == split:
+            tasks.append(task)
+    if not tasks:
+        raise ValueError(f"{path}: no tasks" + (f" in split {split!r}" if split else ""))
+    return tasks
+
+
+class EvalReport(BaseModel):
+    """What one evaluation measured."""
+
+    rollouts: int
+    """Rollouts run."""
+    success_rate: float
+    """Fraction with reward >= the success threshold."""
+    mean_reward: float
+    """Mean reward (missing rewards count as 0)."""
+    statuses: dict[str, int]
+    """Final states and their counts."""
+    mean_calls: float
+    """Model calls per rollout."""
+    mean_prompt_tokens: float
+    """Prompt tokens per call."""
+    mean_completion_tokens: float
+    """Sampled tokens per call."""
+    reused_fraction: float
+    """Share of prompt tokens taken verbatim from the previous call (token-in/token-out)."""
+    prefix_breaks: int
+    """Calls that extended nothing reusable though a previous call existed."""
+    mean_latency_s: float
+    """Gateway-side latency per call."""
+    completion_tokens_per_s: float
+    """Sampled tokens per second of wall time."""
+    wall_s: float
+    """Wall time of the evaluation."""
+    group_id: str
+    """Group id of these rollouts in the store."""
+
+
+def run_rollouts(
+    store: Store,
+    gateway_url: str,
+    agent: AgentFn,
+    reward_fn: RewardFn | None,
+    tasks: list[Task],
+    repeats: int = 1,
+    cfg: RunnerConfig | None = None,
+    group_id: str | None = None,
+    desc: str = "rollouts",
+) -> list[Rollout]:
+    """Queue repeats x tasks rollouts, run them with a runner pool, return them finished."""
+    store.add_tasks(tasks)
+    group_id = group_id or uuid.uuid4().hex[:12]
+    queued = store.enqueue([t.id for t in tasks for _ in range(repeats)], group_id=group_id)
+    bar = tqdm(total=len(queued), desc=desc, unit="rollout", dynamic_ncols=True)
+    wins = 0
+
+    def tick(rollout: Rollout) -> None:
+        nonlocal wins
+        wins += int((rollout.reward or 0) >= 1.0)
+        bar.update(1)
+        bar.set_postfix(success=f"{wins / max(bar.n, 1):.2f}")
+
+    runner = Runner(store, gateway_url, agent, reward_fn, cfg, on_finish=tick)
+    try:
+        asyncio.run(runner.run(until_idle=True))
+    finally:
+        bar.close()
+    return store.rollouts(group_id=group_id)
+
+
+def report(
+    store: Store, rollouts: list[Rollout], wall_s: float, threshold: float = 1.0
+) -> EvalReport:
+    """Summarise finished rollouts and their spans."""
+    spans = [s for r in rollouts for s in store.spans(r.id)]
+    statuses: dict[str, int] = {}
+    for r in rollouts:
+        statuses[r.status.value] = statuses.get(r.status.value, 0) + 1
+    rewards = [r.reward or 0.0 for r in rollouts]
+    prompt = sum(len(s.prompt_ids) for s in spans)
+    completion = sum(len(s.completion_ids) for s in spans)
+    return EvalReport(
+        rollouts=len(rollouts),
+        success_rate=sum(x >= threshold for x in rewards) / max(len(rollouts), 1),
+        mean_reward=mean(rewards) if rewards else 0.0,
+        statuses=statuses,
+        mean_calls=len(spans) / max(len(rollouts), 1),
+        mean_prompt_tokens=prompt / max(len(spans), 1),
+        mean_completion_tokens=completion / max(len(spans), 1),
+        reused_fraction=sum(s.prefix_reused for s in spans) / max(prompt, 1),
+        prefix_breaks=sum(s.prefix_break is not None for s in spans),
+        mean_latency_s=mean(s.latency_s for s in spans) if spans else 0.0,
+        completion_tokens_per_s=completion / max(wall_s, 1e-9),
+        wall_s=wall_s,
+        group_id=rollouts[0].group_id or "" if rollouts else "",
+    )
+
+
+def evaluate(
+    store: Store,
+    gateway_url: str,
+    agent: AgentFn,
+    reward_fn: RewardFn | None,
+    tasks: list[Task],
+    repeats: int = 1,
+    cfg: RunnerConfig | None = None,
+    desc: str = "eval",
+) -> EvalReport:
+    """Run and summarise an evaluation."""
+    started = time.perf_counter()
+    rollouts = run_rollouts(store, gateway_url, agent, reward_fn, tasks, repeats, cfg, desc=desc)
+    return report(store, rollouts, time.perf_counter() - started)
+
+
+def finished_ok(rollout: Rollout) -> bool:
+    """Whether a rollout ran to completion (its reward may still be 0)."""
+    return rollout.status == RolloutStatus.succeeded

@@ -1,0 +1,6 @@
+"""The OpenAI-compatible gateway: serves agents' model calls and records them as spans."""
+
+from tracerl.gateway.app import ROLLOUT_HEADER, create_app
+from tracerl.gateway.core import Gateway, GatewayError, ServedModel
+
+__all__ = ["ROLLOUT_HEADER", "Gateway", "GatewayError", "ServedModel", "create_app"]

@@ -1,0 +1,279 @@
+"""The gateway's HTTP face: OpenAI-compatible routes, server-sent events, JSON errors.
+
+Routes exist twice: at /v1/... (the rollout comes from the X-Tracerl-Rollout header, or
+the call is served without recording) and at /rollouts/<id>/v1/..., so an agent is
+attributed just by its base_url. Every refusal is an OpenAI-style JSON error with a 4xx
+status; a traceback never reaches the client.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+import orjson
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import Response, StreamingResponse
+from pydantic import BaseModel, Field, ValidationError
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from tracerl.gateway.chat import ChatRequest, CompletionRequest, wire_message
+from tracerl.gateway.core import Choice, Gateway, GatewayError, Served, invalid
+from tracerl.store import LeaseLost, NotFound
+from tracerl.store.http import install_error_handlers, store_router
+from tracerl.types import Reward
+
+log = logging.getLogger(__name__)
+
+ROLLOUT_HEADER = "x-tracerl-rollout"
+
+
+class RewardRequest(BaseModel):
+    """A reward an agent emits over HTTP (POST /rollouts/<id>/reward)."""
+
+    value: float
+    """The reward."""
+    span_seq: int | None = None
+    """Seq of the call it rewards, for a per-step reward; None for the final reward."""
+    name: str = Field(default="reward", max_length=64)
+    """A label for reports."""
+
+
+def _json(body: Any, status: int = 200) -> Response:
+    return Response(orjson.dumps(body), status_code=status, media_type="application/json")
+
+
+def error_response(e: GatewayError) -> Response:
+    """An OpenAI-style error body."""
+    err = {"message": e.message, "type": e.type, "param": e.param, "code": e.code}
+    return _json({"error": err}, e.status)
+
+
+async def _body(request: Request) -> Any:
+    try:
+        return orjson.loads(await request.body())
+    except orjson.JSONDecodeError as e:
+        raise GatewayError(400, f"request body is not valid JSON: {e}") from None
+
+
+def _rollout_id(request: Request, path_id: str | None) -> str | None:
+    return path_id or request.headers.get(ROLLOUT_HEADER)
+
+
+def create_app(gateway: Gateway, with_store_api: bool = True) -> FastAPI:
+    """The FastAPI app serving the OpenAI routes (and the store's API under /store)."""
+    app = FastAPI(title="tracerl gateway", docs_url=None, redoc_url=None)
+    install_error_handlers(app)
+
+    @app.exception_handler(GatewayError)
+    async def _gateway_error(_: Request, e: GatewayError) -> Response:
+        return error_response(e)
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation(_: Request, e: RequestValidationError) -> Response:
+        return error_response(GatewayError(400, str(e.errors()[0].get("msg", e))))
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(_: Request, e: StarletteHTTPException) -> Response:
+        kind = "not_found_error" if e.status_code == 404 else "invalid_request_error"
+        return error_response(GatewayError(e.status_code, str(e.detail), type=kind))
+
+    @app.exception_handler(Exception)
+    async def _internal(_: Request, e: Exception) -> Response:
+        log.exception("gateway failure")
+        return error_response(GatewayError(500, f"internal error: {e}", type="server_error"))
+
+    async def chat(request: Request, rollout_id: str | None = None) -> Response:
+        try:
+            req = ChatRequest.model_validate(await _body(request))
+        except ValidationError as e:
+            raise invalid(e) from None
+        served = await gateway.chat(req, _rollout_id(request, rollout_id))
+        if req.stream:
+            usage = bool((req.stream_options or {}).get("include_usage"))
+            return StreamingResponse(_chat_events(served, usage), media_type="text/event-stream")
+        return _json(_chat_body(served, req.logprobs))
+
+    async def complete(request: Request, rollout_id: str | None = None) -> Response:
+        try:
+            req = CompletionRequest.model_validate(await _body(request))
+        except ValidationError as e:
+            raise invalid(e) from None
+        served = await gateway.complete(req, _rollout_id(request, rollout_id))
+        if req.stream:
+            return StreamingResponse(_completion_events(served), media_type="text/event-stream")
+        return _json(_completion_body(served, req.logprobs is not None))
+
+    async def models(request: Request, rollout_id: str | None = None) -> Response:
+        now = int(time.time())
+        data = [
+            {"id": name, "object": "model", "created": now, "owned_by": "tracerl"}
+            for name in gateway.models
+        ]
+        return _json({"object": "list", "data": data})
+
+    async def reward(request: Request, rollout_id: str) -> Response:
+        try:
+            req = RewardRequest.model_validate(await _body(request))
+        except ValidationError as e:
+            raise invalid(e) from None
+        rollout = gateway.rollout(rollout_id)
+        assert rollout is not None and gateway.store is not None
+        try:
+            gateway.store.add_reward(
+                Reward(
+                    rollout_id=rollout.id,
+                    attempt=rollout.attempt,
+                    value=req.value,
+                    span_seq=req.span_seq,
+                    name=req.name,
+                )
+            )
+        except (LeaseLost, NotFound) as e:
+            raise GatewayError(409, str(e), code="rollout_not_running") from None
+        return _json({"ok": True})
+
+    async def health(request: Request) -> Response:
+        return _json({"ok": True, "models": sorted(gateway.models)})
+
+    for prefix in ("", "/rollouts/{rollout_id}"):
+        app.add_api_route(f"{prefix}/v1/chat/completions", chat, methods=["POST"])
+        app.add_api_route(f"{prefix}/v1/completions", complete, methods=["POST"])
+        app.add_api_route(f"{prefix}/v1/models", models, methods=["GET"])
+    app.add_api_route("/rollouts/{rollout_id}/reward", reward, methods=["POST"])
+    app.add_api_route("/health", health, methods=["GET"])
+    if with_store_api and gateway.store is not None:
+        app.include_router(store_router(gateway.store), prefix="/store")
+    return app
+
+
+def _usage(served: Served) -> dict[str, int]:
+    return {
+        "prompt_tokens": served.prompt_tokens,
+        "completion_tokens": served.completion_tokens,
+        "total_tokens": served.prompt_tokens + served.completion_tokens,
+    }
+
+
+def _token_logprobs(served: Served, c: Choice) -> list[dict[str, Any]]:
+    out = []
+    for tid, lp in zip(c.gen.completion_ids, c.gen.logprobs, strict=True):
+        token = served.tokenizer.convert_ids_to_tokens(tid)
+        text = served.tokenizer.decode([tid])
+        out.append(
+            {
+                "token": token,
+                "logprob": lp,
+                "bytes": list(text.encode()),
+                "top_logprobs": [],
+                "token_id": tid,
+            }
+        )
+    return out
+
+
+def _chat_body(served: Served, logprobs: bool) -> dict[str, Any]:
+    choices = []
+    for c in served.choices:
+        choice: dict[str, Any] = {
+            "index": c.index,
+            "message": wire_message(c.reply, c.call_ids),
+            "finish_reason": c.finish_reason,
+            "logprobs": {"content": _token_logprobs(served, c)} if logprobs else None,
+        }
+        choices.append(choice)
+    return {
+        "id": served.id,
+        "object": "chat.completion",
+        "created": served.created,
+        "model": served.model,
+        "choices": choices,
+        "usage": _usage(served),
+    }
+
+
+def _completion_body(served: Served, logprobs: bool) -> dict[str, Any]:
+    choices = []
+    for c in served.choices:
+        lp = None
+        if logprobs:
+            tokens = _token_logprobs(served, c)
+            lp = {
+                "tokens": [t["token"] for t in tokens],
+                "token_logprobs": [t["logprob"] for t in tokens],
+                "top_logprobs": None,
+                "text_offset": [],
+            }
+        choices.append(
+            {"index": c.index, "text": c.text, "finish_reason": c.finish_reason, "logprobs": lp}
+        )
+    return {
+        "id": served.id,
+        "object": "text_completion",
+        "created": served.created,
+        "model": served.model,
+        "choices": choices,
+        "usage": _usage(served),
+    }
+
+
+def _sse(body: dict[str, Any]) -> bytes:
+    return b"data: " + orjson.dumps(body) + b"\n\n"
+
+
+def _pieces(served: Served, c: Choice) -> list[str]:
+    """The content split at token boundaries, so chunks arrive as the model wrote them."""
+    if not c.reply.content:
+        return []
+    if c.reply.tool_calls or c.text.strip() != c.reply.content:
+        return [c.reply.content]
+    pieces, before = [], ""
+    ids = c.gen.completion_ids
+    for i in range(1, len(ids) + 1):
+        now = served.tokenizer.decode(ids[:i], skip_special_tokens=True)
+        if now.startswith(before) and len(now) > len(before):
+            pieces.append(now[len(before) :])
+            before = now
+    joined = "".join(pieces)
+    # Fall back to one chunk if token-wise decoding does not reassemble the content.
+    return pieces if joined.strip() == c.reply.content and joined == c.text else [c.reply.content]
+
+
+async def _chat_events(served: Served, usage: bool) -> AsyncIterator[bytes]:
+    head = {
+        "id": served.id,
+        "object": "chat.completion.chunk",
+        "created": served.created,
+        "model": served.model,
+    }
+    for c in served.choices:
+        delta: dict[str, Any] = {"role": "assistant", "content": ""}
+        yield _sse({**head, "choices": [{"index": c.index, "delta": delta}]})
+        for piece in _pieces(served, c):
+            yield _sse({**head, "choices": [{"index": c.index, "delta": {"content": piece}}]})
+        if c.reply.tool_calls:
+            calls = wire_message(c.reply, c.call_ids)["tool_calls"]
+            delta = {"tool_calls": [{"index": i, **call} for i, call in enumerate(calls)]}
+            yield _sse({**head, "choices": [{"index": c.index, "delta": delta}]})
+        done = {"index": c.index, "delta": {}, "finish_reason": c.finish_reason}
+        yield _sse({**head, "choices": [done]})
+    if usage:
+        yield _sse({**head, "choices": [], "usage": _usage(served)})
+    yield b"data: [DONE]\n\n"
+
+
+async def _completion_events(served: Served) -> AsyncIterator[bytes]:
+    head = {
+        "id": served.id,
+        "object": "text_completion",
+        "created": served.created,
+        "model": served.model,
+    }
+    for c in served.choices:
+        yield _sse({**head, "choices": [{"index": c.index, "text": c.text, "finish_reason": None}]})
+        done = {"index": c.index, "text": "", "finish_reason": c.finish_reason}
+        yield _sse({**head, "choices": [done]})
+    yield b"data: [DONE]\n\n"

@@ -1,0 +1,315 @@
+"""The OpenAI wire format: request records, message normalisation, tool-call parsing.
+
+Requests are validated into typed records here so the gateway's handlers see only
+checked values; every validation failure becomes an OpenAI-style 4xx error upstream.
+Messages are normalised into one canonical form (plain-text content, tool-call arguments
+as dicts) so that chat templates render them and token-in/token-out can compare them.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, JsonValue, field_validator
+
+Message = dict[str, JsonValue]
+"""A canonical chat message: role, content (str), optional tool_calls / tool_call_id / name."""
+
+_TOOL_NAME = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
+
+
+class FunctionSpec(BaseModel):
+    """A function the model may call (the `function` part of an OpenAI tool)."""
+
+    model_config = ConfigDict(extra="allow")
+
+    name: str
+    """Function name: letters, digits, '_', '.', '-', at most 64 characters."""
+    description: str | None = None
+    """What it does, for the model."""
+    parameters: dict[str, JsonValue] = Field(default_factory=dict)
+    """JSON Schema of the arguments; must describe an object."""
+
+    @field_validator("name")
+    @classmethod
+    def _name_ok(cls, name: str) -> str:
+        if not _TOOL_NAME.match(name):
+            raise ValueError(f"invalid function name {name!r}")
+        return name
+
+    @field_validator("parameters")
+    @classmethod
+    def _schema_ok(cls, schema: dict[str, JsonValue]) -> dict[str, JsonValue]:
+        if schema and schema.get("type", "object") != "object":
+            raise ValueError("function parameters must be a JSON Schema of type 'object'")
+        props = schema.get("properties", {})
+        if not isinstance(props, dict):
+            raise ValueError("function parameters 'properties' must be an object")
+        return schema
+
+
+class ToolSpec(BaseModel):
+    """One entry of the request's `tools` list."""
+
+    model_config = ConfigDict(extra="allow")
+
+    type: Literal["function"]
+    """Only function tools exist in the chat API."""
+    function: FunctionSpec
+    """The function."""
+
+
+class ChatRequest(BaseModel):
+    """A /v1/chat/completions request; unknown OpenAI fields are accepted and ignored."""
+
+    model_config = ConfigDict(extra="allow")
+
+    model: str
+    """Served model name; in tracerl also the role the call belongs to."""
+    messages: list[dict[str, Any]] = Field(min_length=1)
+    """The conversation so far, in OpenAI format."""
+    tools: list[ToolSpec] | None = None
+    """Functions the model may call."""
+    max_tokens: int | None = Field(default=None, ge=1)
+    """Upper bound on sampled tokens."""
+    max_completion_tokens: int | None = Field(default=None, ge=1)
+    """Newer name of max_tokens; wins when both are given."""
+    temperature: float = Field(default=1.0, ge=0.0, le=2.0)
+    """Sampling temperature."""
+    top_p: float = Field(default=1.0, gt=0.0, le=1.0)
+    """Nucleus mass."""
+    n: int = Field(default=1, ge=1, le=16)
+    """Number of choices."""
+    stop: str | list[str] | None = None
+    """Up to 4 stop strings."""
+    seed: int | None = None
+    """Sampler seed; choice i uses seed + i."""
+    logprobs: bool = False
+    """Return the sampled tokens' log-probs."""
+    top_logprobs: int | None = Field(default=None, ge=0, le=0)
+    """Alternatives per position: not supported beyond 0."""
+    stream: bool = False
+    """Answer as server-sent events."""
+    stream_options: dict[str, JsonValue] | None = None
+    """{"include_usage": true} adds a final usage chunk."""
+
+    @field_validator("stop")
+    @classmethod
+    def _stop_ok(cls, stop: str | list[str] | None) -> str | list[str] | None:
+        if isinstance(stop, list) and (len(stop) > 4 or any(not s for s in stop)):
+            raise ValueError("stop must hold at most 4 non-empty strings")
+        return stop
+
+    def stop_list(self) -> list[str]:
+        """Stop strings as a list."""
+        if self.stop is None:
+            return []
+        return [self.stop] if isinstance(self.stop, str) else list(self.stop)
+
+    def token_limit(self) -> int | None:
+        """max_completion_tokens, else max_tokens."""
+        return self.max_completion_tokens or self.max_tokens
+
+
+class CompletionRequest(BaseModel):
+    """A /v1/completions request (raw text or token ids in, text out)."""
+
+    model_config = ConfigDict(extra="allow")
+
+    model: str
+    """Served model name (role)."""
+    prompt: str | list[int]
+    """Text, or token ids used verbatim."""
+    max_tokens: int = Field(default=16, ge=1)
+    """Upper bound on sampled tokens."""
+    temperature: float = Field(default=1.0, ge=0.0, le=2.0)
+    """Sampling temperature."""
+    top_p: float = Field(default=1.0, gt=0.0, le=1.0)
+    """Nucleus mass."""
+    n: int = Field(default=1, ge=1, le=16)
+    """Number of choices."""
+    stop: str | list[str] | None = None
+    """Up to 4 stop strings."""
+    seed: int | None = None
+    """Sampler seed."""
+    logprobs: int | None = Field(default=None, ge=0, le=0)
+    """0 returns the sampled tokens' log-probs; alternatives are not supported."""
+    echo: bool = False
+    """Not supported (rejected when true)."""
+    stream: bool = False
+    """Answer as server-sent events."""
+
+    @field_validator("echo")
+    @classmethod
+    def _no_echo(cls, echo: bool) -> bool:
+        if echo:
+            raise ValueError("echo is not supported")
+        return echo
+
+    def stop_list(self) -> list[str]:
+        """Stop strings as a list."""
+        if self.stop is None:
+            return []
+        return [self.stop] if isinstance(self.stop, str) else list(self.stop)
+
+
+_ROLES = {"system", "developer", "user", "assistant", "tool"}
+
+
+def _text(content: Any) -> str:
+    """OpenAI content (string, None, or a list of text parts) as one string."""
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        parts = []
+        for part in content:
+            if not isinstance(part, dict) or part.get("type") != "text":
+                raise ValueError("only text content parts are supported")
+            parts.append(str(part.get("text", "")))
+        return "".join(parts)
+    raise ValueError("message content must be a string or a list of text parts")
+
+
+def _arguments(raw: Any) -> dict[str, JsonValue]:
+    """Tool-call arguments as a dict (the wire carries a JSON string)."""
+    if isinstance(raw, dict):
+        return raw
+    if isinstance(raw, str):
+        try:
+            value = json.loads(raw) if raw.strip() else {}
+        except json.JSONDecodeError as e:
+            raise ValueError(f"tool call arguments are not valid JSON: {e.msg}") from e
+        if isinstance(value, dict):
+            return value
+    raise ValueError("tool call arguments must be a JSON object")
+
+
+def normalize_message(raw: dict[str, Any]) -> Message:
+    """One request message in canonical form; raises ValueError on malformed input."""
+    if not isinstance(raw, dict):
+        raise ValueError("each message must be an object")
+    role = raw.get("role")
+    if role not in _ROLES:
+        raise ValueError(f"invalid message role {role!r}")
+    msg: Message = {"role": "system" if role == "developer" else role}
+    msg["content"] = _text(raw.get("content"))
+    if role == "assistant" and raw.get("tool_calls"):
+        calls: list[JsonValue] = []
+        for call in raw["tool_calls"]:
+            fn = call.get("function") if isinstance(call, dict) else None
+            if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
+                raise ValueError("each tool call needs a function with a name")
+            calls.append(
+                {
+                    "id": str(call.get("id", "")),
+                    "type": "function",
+                    "function": {"name": fn["name"], "arguments": _arguments(fn.get("arguments"))},
+                }
+            )
+        msg["tool_calls"] = calls
+    if role == "tool":
+        msg["tool_call_id"] = str(raw.get("tool_call_id", ""))
+    if isinstance(raw.get("name"), str):
+        msg["name"] = raw["name"]
+    return msg
+
+
+def same_turn(returned: Message, echoed: Message) -> bool:
+    """Whether the agent sent back the assistant message we returned, unchanged.
+
+    Tool-call ids are ignored (some clients re-number them); content and each call's name
+    and arguments must match exactly.
+    """
+    if echoed.get("role") != "assistant" or echoed.get("content") != returned.get("content"):
+        return False
+    mine = returned.get("tool_calls") or []
+    theirs = echoed.get("tool_calls") or []
+    assert isinstance(mine, list) and isinstance(theirs, list)
+    if len(mine) != len(theirs):
+        return False
+    return all(
+        isinstance(a, dict) and isinstance(b, dict) and a["function"] == b["function"]
+        for a, b in zip(mine, theirs, strict=True)
+    )
+
+
+_CALL = re.compile(r"<tool_call>(.*?)</tool_call>", re.DOTALL)
+
+
+class ParsedReply(BaseModel):
+    """The model's text split into OpenAI message parts."""
+
+    content: str
+    """Text outside tool calls, stripped."""
+    tool_calls: list[dict[str, JsonValue]]
+    """Calls in canonical form (arguments as dicts); [] when none parsed."""
+
+
+def parse_reply(text: str, tools_given: bool) -> ParsedReply:
+    """Split `<tool_call>{"name": ..., "arguments": {...}}</tool_call>` blocks out of text.
+
+    This is the Hermes/Qwen convention the tiny model is trained on. A block that is not
+    valid JSON of that shape is left in the content: the agent sees what the model wrote.
+    """
+    if not tools_given or "<tool_call>" not in text:
+        return ParsedReply(content=text.strip(), tool_calls=[])
+    calls: list[dict[str, JsonValue]] = []
+    kept: list[str] = []
+    last = 0
+    for match in _CALL.finditer(text):
+        call = _parse_call(match.group(1))
+        if call is None:
+            continue
+        kept.append(text[last : match.start()])
+        last = match.end()
+        calls.append(call)
+    kept.append(text[last:])
+    return ParsedReply(content="".join(kept).strip(), tool_calls=calls)
+
+
+def _parse_call(body: str) -> dict[str, JsonValue] | None:
+    try:
+        value = json.loads(body)
+    except json.JSONDecodeError:
+        return None
+    if not isinstance(value, dict) or not isinstance(value.get("name"), str):
+        return None
+    args = value.get("arguments", {})
+    if isinstance(args, str):
+        try:
+            args = json.loads(args)
+        except json.JSONDecodeError:
+            return None
+    if not isinstance(args, dict):
+        return None
+    return {"name": value["name"], "arguments": args}
+
+
+def wire_message(reply: ParsedReply, call_ids: list[str]) -> dict[str, Any]:
+    """The assistant message as OpenAI returns it (arguments as JSON strings)."""
+    msg: dict[str, Any] = {"role": "assistant", "content": reply.content or None}
+    if reply.tool_calls:
+        msg["tool_calls"] = [
+            {
+                "id": cid,
+                "type": "function",
+                "function": {"name": c["name"], "arguments": json.dumps(c["arguments"])},
+            }
+            for cid, c in zip(call_ids, reply.tool_calls, strict=True)
+        ]
+    return msg
+
+
+def canonical_reply(reply: ParsedReply, call_ids: list[str]) -> Message:
+    """The assistant message in canonical form, as the next request should echo it."""
+    msg: Message = {"role": "assistant", "content": reply.content}
+    if reply.tool_calls:
+        msg["tool_calls"] = [
+            {"id": cid, "type": "function", "function": c}
+            for cid, c in zip(call_ids, reply.tool_calls, strict=True)
+        ]
+    return msg

@@ -1,0 +1,119 @@
+"""Token-in/token-out: build each prompt from the exact ids the policy already saw.
+
+Re-tokenizing a whole conversation on every turn silently changes what the policy is
+trained on (BPE merges across turn boundaries, JSON re-serialised by the template,
+special tokens the model sampled but the template spells differently). So when a request
+extends the previous request of the same rollout and role — earlier messages unchanged,
+then the assistant message we returned, then new messages — the prompt is the previous
+prompt ids + the sampled completion ids + the tokens of the new suffix alone. When that
+does not hold, the whole prompt is tokenized afresh and the reason is recorded on the span.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from transformers import PreTrainedTokenizerBase
+
+from tracerl.gateway.chat import Message, same_turn
+
+
+@dataclass
+class Turn:
+    """What the gateway remembers of one returned choice, to extend it next time."""
+
+    ids: list[int]
+    """Prompt ids + sampled completion ids of that choice."""
+    reply: Message
+    """The assistant message returned for it, in canonical form."""
+    end: str
+    """How the completion ended: 'eos' (an end token), 'length' or 'stop_string'."""
+
+
+@dataclass
+class History:
+    """The previous request of one (rollout, attempt, role)."""
+
+    messages: list[Message]
+    """Canonical messages of the previous request."""
+    tools: list[dict] | None
+    """Tools of the previous request (a change of tools changes the rendered prompt)."""
+    turns: list[Turn] = field(default_factory=list)
+    """One entry per returned choice (n > 1 returns several)."""
+
+
+@dataclass
+class Prompt:
+    """The prompt ids for one request and how they were obtained."""
+
+    ids: list[int]
+    """Token ids to send to the engine."""
+    reused: int = 0
+    """Leading ids taken verbatim from the previous call."""
+    prefix_break: str | None = None
+    """Why reuse failed, when there was a previous call to reuse."""
+
+
+class PromptBuilder:
+    """Renders chat requests to ids with one tokenizer, reusing earlier ids when it can."""
+
+    def __init__(self, tokenizer: PreTrainedTokenizerBase) -> None:
+        self.tokenizer = tokenizer
+        eos = tokenizer.eos_token
+        if not isinstance(eos, str):
+            raise ValueError("the tokenizer needs an eos token to close assistant turns")
+        self.eos_text: str = eos
+        self.eos_id: int = int(tokenizer.convert_tokens_to_ids(eos))
+
+    def render(self, messages: list[Message], tools: list[dict] | None, gen: bool) -> str:
+        """The chat template's text for messages (with the assistant header when gen)."""
+        text = self.tokenizer.apply_chat_template(
+            messages, tools=tools, add_generation_prompt=gen, tokenize=False
+        )
+        assert isinstance(text, str)
+        return text
+
+    def encode(self, text: str) -> list[int]:
+        """Ids of text; the template already holds every special token it needs."""
+        return list(self.tokenizer.encode(text, add_special_tokens=False))
+
+    def build(
+        self, messages: list[Message], tools: list[dict] | None, prev: History | None
+    ) -> Prompt:
+        """Prompt ids for a request, extending `prev` when the request extends it."""
+        full = self.render(messages, tools, gen=True)
+        if prev is None:
+            return Prompt(ids=self.encode(full))
+        turn, reason = self._match(messages, tools, prev)
+        if turn is None:
+            return Prompt(ids=self.encode(full), prefix_break=reason)
+        k = len(prev.messages) + 1
+        before = self.render(messages[:k], tools, gen=False)
+        cut = before.rfind(self.eos_text)
+        if cut < 0 or not full.startswith(before):
+            return Prompt(ids=self.encode(full), prefix_break="template drift")
+        # The suffix starts right after the end token that closed our assistant turn, so
+        # whatever the template writes after it (a newline, the next role header) is
+        # tokenized with the new messages; a boundary after a special token is clean.
+        suffix = full[cut + len(self.eos_text) :]
+        # A completion cut by max_tokens never sampled its end token: the template's end
+        # token is appended as context (the loss mask comes from the span, not from here).
+        head = turn.ids if turn.end == "eos" else [*turn.ids, self.eos_id]
+        return Prompt(ids=head + self.encode(suffix), reused=len(turn.ids))
+
+    def _match(
+        self, messages: list[Message], tools: list[dict] | None, prev: History
+    ) -> tuple[Turn | None, str]:
+        k = len(prev.messages)
+        if tools != prev.tools:
+            return None, "tools changed"
+        if len(messages) <= k + 1 or messages[:k] != prev.messages:
+            return None, "edited history"
+        for turn in prev.turns:
+            if same_turn(turn.reply, messages[k]):
+                # The agent never saw the stop string the model sampled; reusing those ids
+                # would put text in the context that the conversation does not hold.
+                if turn.end == "stop_string":
+                    return None, "stop string"
+                return turn, ""
+        return None, "assistant message changed"

@@ -1,0 +1,289 @@
+"""The runner: a pool of concurrent workers that claim rollouts and run the user's agent.
+
+A worker claims a rollout from the store, hands the agent its per-rollout base_url (so the
+gateway attributes every model call to it), keeps the lease alive with heartbeats, enforces
+a timeout, works out the reward and finishes the rollout. An agent that raises or hangs
+becomes a failed or timed-out rollout with the error stored; it never stops the pool. If
+the runner process dies, its leases expire and the store re-queues the rollouts for
+another runner.
+
+Agents come in two forms: a Python callable `run(task_input, *, base_url, api_key, model)`
+(sync ones run in threads, async ones on the loop), or an external command in any language
+that reads OPENAI_BASE_URL / OPENAI_API_KEY / OPENAI_MODEL and the task (JSON, in
+TRACERL_TASK and on stdin), prints its answer as the last line of stdout, and may POST its
+reward to TRACERL_REWARD_URL.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import importlib
+import importlib.util
+import inspect
+import json
+import os
+import shlex
+import sys
+import traceback
+import uuid
+from collections.abc import Awaitable, Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from tracerl.store import LeaseLost, Store, StoreError
+from tracerl.types import Rollout, RolloutStatus, Task
+
+
+@dataclass(frozen=True)
+class AgentResult:
+    """What an agent hands back for one rollout."""
+
+    answer: str | None
+    """The final answer (what the reward function judges)."""
+    reward: float | None = None
+    """A reward the agent computed itself; wins over every other source."""
+
+
+AgentFn = Callable[[Task, str, str, str], Awaitable[AgentResult]]
+"""(task, base_url, api_key, model) -> result, awaitable."""
+
+RewardFn = Callable[[dict[str, Any], str], float]
+"""(task as in the task file, answer) -> reward."""
+
+
+def load_callable(spec: str) -> Callable[..., Any]:
+    """Resolve 'path/to/file.py:name' or 'package.module:name' to the object it names."""
+    target, sep, name = spec.rpartition(":")
+    if not sep or not target or not name:
+        raise ValueError(f"expected 'file.py:function' or 'module:function', got {spec!r}")
+    if target.endswith(".py"):
+        path = Path(target).resolve()
+        if not path.is_file():
+            raise FileNotFoundError(f"no such agent file: {target}")
+        mod_name = f"tracerl_user_{path.stem}_{abs(hash(path)):x}"
+        module = sys.modules.get(mod_name)
+        if module is None:
+            module_spec = importlib.util.spec_from_file_location(mod_name, path)
+            assert module_spec is not None and module_spec.loader is not None
+            module = importlib.util.module_from_spec(module_spec)
+            sys.path.insert(0, str(path.parent))  # so the file's sibling imports work
+            sys.modules[mod_name] = module
+            module_spec.loader.exec_module(module)
+    else:
+        module = importlib.import_module(target)
+    fn = getattr(module, name, None)
+    if fn is None or not callable(fn):
+        raise AttributeError(f"{target} has no callable {name!r}")
+    return fn
+
+
+def _result(value: Any) -> AgentResult:
+    """Accept what agents naturally return: a string, a dict, or an AgentResult."""
+    if isinstance(value, AgentResult):
+        return value
+    if isinstance(value, dict):
+        reward = value.get("reward")
+        answer = value.get("answer")
+        return AgentResult(
+            None if answer is None else str(answer), None if reward is None else float(reward)
+        )
+    return AgentResult(None if value is None else str(value))
+
+
+def python_agent(fn: Callable[..., Any], threads: ThreadPoolExecutor) -> AgentFn:
+    """Wrap a user function; sync functions run on the thread pool."""
+
+    async def call(task: Task, base_url: str, api_key: str, model: str) -> AgentResult:
+        kwargs = {"base_url": base_url, "api_key": api_key, "model": model}
+        if inspect.iscoroutinefunction(fn):
+            return _result(await fn(task.input, **kwargs))
+        loop = asyncio.get_running_loop()
+        value = await loop.run_in_executor(threads, functools.partial(fn, task.input, **kwargs))
+        return _result(value)
+
+    return call
+
+
+def command_agent(command: str) -> AgentFn:
+    """Wrap an external command (any language); killed when the rollout times out."""
+    argv = shlex.split(command)
+
+    async def call(task: Task, base_url: str, api_key: str, model: str) -> AgentResult:
+        payload = json.dumps(task.input)
+        env = {
+            **os.environ,
+            "OPENAI_BASE_URL": base_url,
+            "OPENAI_API_KEY": api_key,
+            "OPENAI_MODEL": model,
+            "TRACERL_TASK": payload,
+            "TRACERL_REWARD_URL": base_url.removesuffix("/v1") + "/reward",
+        }
+        proc = await asyncio.create_subprocess_exec(
+            *argv,
+            stdin=asyncio.subprocess.PIPE,
+            stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.PIPE,
+            env=env,
+        )
+        try:
+            out, err = await proc.communicate(payload.encode())
+        except asyncio.CancelledError:
+            proc.kill()
+            await proc.wait()
+            raise
+        if proc.returncode != 0:
+            tail = err.decode(errors="replace").strip().splitlines()[-5:]
+            raise RuntimeError(f"agent command exited {proc.returncode}: " + "\n".join(tail))
+        lines = [line for line in out.decode(errors="replace").splitlines() if line.strip()]
+        return AgentResult(lines[-1].strip() if lines else "")
+
+    return call
+
+
+def load_agent(spec: str, threads: ThreadPoolExecutor) -> AgentFn:
+    """'cmd:<command line>' for an external command, else a Python callable spec."""
+    if spec.startswith("cmd:"):
+        return command_agent(spec.removeprefix("cmd:").strip())
+    return python_agent(load_callable(spec), threads)
+
+
+class RunnerConfig(BaseModel):
+    """How a pool of workers runs rollouts."""
+
+    model_config = ConfigDict(use_attribute_docstrings=True)
+
+    concurrency: int = Field(default=16, ge=1)
+    """Rollouts in flight at once (agents are mostly waiting on the model)."""
+    timeout_s: float = Field(default=120.0, gt=0)
+    """Wall time one rollout may take before it is finished as timed_out."""
+    lease_s: float = Field(default=30.0, gt=0)
+    """Lease length; heartbeats renew it every lease_s / 3."""
+    model: str = "policy"
+    """The `model` name handed to the agent."""
+    api_key: str = "tracerl"
+    """The API key handed to the agent (the gateway does not check it)."""
+    poll_s: float = Field(default=0.05, gt=0)
+    """Sleep between claims when nothing is queued."""
+
+
+class Runner:
+    """Claims rollouts from a store and runs them through the gateway, concurrently."""
+
+    def __init__(
+        self,
+        store: Store,
+        gateway_url: str,
+        agent: AgentFn,
+        reward_fn: RewardFn | None,
+        cfg: RunnerConfig | None = None,
+        runner_id: str | None = None,
+        on_finish: Callable[[Rollout], None] | None = None,
+    ) -> None:
+        self.store = store
+        self.gateway_url = gateway_url.rstrip("/")
+        self.agent = agent
+        self.reward_fn = reward_fn
+        self.cfg = cfg or RunnerConfig()
+        self.id = runner_id or f"runner-{uuid.uuid4().hex[:8]}"
+        self.on_finish = on_finish or (lambda r: None)
+        self.finished = 0
+
+    async def run(self, until_idle: bool = True, stop: asyncio.Event | None = None) -> None:
+        """Run workers until nothing is queued or running (until_idle) or `stop` is set."""
+        stop = stop or asyncio.Event()
+        workers = [
+            asyncio.create_task(self._worker(until_idle, stop))
+            for _ in range(self.cfg.concurrency)
+        ]
+        await asyncio.gather(*workers)
+
+    async def _worker(self, until_idle: bool, stop: asyncio.Event) -> None:
+        while not stop.is_set():
+            claimed = await asyncio.to_thread(self.store.claim, self.id, 1, self.cfg.lease_s)
+            if claimed:
+                await self.run_one(claimed[0])
+                continue
+            if until_idle and await asyncio.to_thread(self._idle):
+                return
+            await asyncio.sleep(self.cfg.poll_s)
+
+    def _idle(self) -> bool:
+        counts = self.store.counts()
+        return not counts.get("queued", 0) and not counts.get("running", 0)
+
+    async def run_one(self, rollout: Rollout) -> None:
+        """Run one claimed rollout to a final state (or abandon it if its lease is lost)."""
+        task = await asyncio.to_thread(self.store.get_task, rollout.task_id)
+        base_url = f"{self.gateway_url}/rollouts/{rollout.id}/v1"
+        run = asyncio.create_task(
+            self.agent(task, base_url, self.cfg.api_key, self.cfg.model), name=rollout.id
+        )
+        beat = asyncio.create_task(self._heartbeat(rollout, run))
+        answer, reward, error = None, None, None
+        status = RolloutStatus.succeeded
+        try:
+            result = await asyncio.wait_for(run, self.cfg.timeout_s)
+            answer = result.answer
+            reward = await asyncio.to_thread(self._reward, task, rollout, result)
+        except TimeoutError:
+            status, error = RolloutStatus.timed_out, f"timed out after {self.cfg.timeout_s:g}s"
+        except asyncio.CancelledError:
+            if not beat.done():
+                raise
+            return  # the heartbeat found the lease lost: another runner owns it now
+        except Exception as e:  # the agent's failure is data, not a crash of the pool
+            status, error = RolloutStatus.failed, _error_text(e)
+        finally:
+            beat.cancel()
+        await self._finish(rollout, status, answer, reward, error)
+
+    async def _finish(
+        self,
+        rollout: Rollout,
+        status: RolloutStatus,
+        answer: str | None,
+        reward: float | None,
+        error: str | None,
+    ) -> None:
+        try:
+            done = await asyncio.to_thread(
+                self.store.finish, rollout.id, rollout.attempt, status, answer, reward, error
+            )
+        except LeaseLost:
+            return  # re-queued meanwhile; the new attempt will be finished by its runner
+        self.finished += 1
+        self.on_finish(done)
+
+    def _reward(self, task: Task, rollout: Rollout, result: AgentResult) -> float | None:
+        """The agent's own reward, else one it emitted over HTTP, else the reward function."""
+        if result.reward is not None:
+            return result.reward
+        emitted = [r for r in self.store.rewards(rollout.id, rollout.attempt) if r.span_seq is None]
+        if emitted:
+            return emitted[-1].value
+        if self.reward_fn is None:
+            return None
+        return float(self.reward_fn(task.model_dump(), result.answer or ""))
+
+    async def _heartbeat(self, rollout: Rollout, run: asyncio.Task[AgentResult]) -> None:
+        while True:
+            await asyncio.sleep(self.cfg.lease_s / 3)
+            try:
+                await asyncio.to_thread(
+                    self.store.heartbeat, rollout.id, rollout.attempt, self.cfg.lease_s
+                )
+            except LeaseLost:
+                run.cancel()
+                return
+            except StoreError:
+                continue  # a passing store hiccup; the lease still has time
+
+
+def _error_text(e: BaseException) -> str:
+    lines = traceback.format_exception_only(type(e), e)
+    return "".join(lines).strip()[-2000:]

@@ -1,0 +1,53 @@
+"""Run an ASGI app with uvicorn in a background thread (demo, eval, tests, benches).
+
+`tracerl serve` runs the same app in the foreground; this helper exists so one process can
+host the gateway and the store while its runners and trainer work beside them.
+"""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+from dataclasses import dataclass
+
+import uvicorn
+from fastapi import FastAPI
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port nothing listens on right now."""
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return int(s.getsockname()[1])
+
+
+@dataclass
+class BackgroundServer:
+    """A uvicorn server running in a daemon thread."""
+
+    server: uvicorn.Server
+    thread: threading.Thread
+    url: str
+
+    def stop(self) -> None:
+        """Ask the server to exit and wait for it."""
+        self.server.should_exit = True
+        self.thread.join(timeout=10)
+
+
+def serve_in_thread(app: FastAPI, host: str = "127.0.0.1", port: int = 0) -> BackgroundServer:
+    """Start `app` on host:port (a free port when 0) and return once it accepts requests."""
+    port = port or free_port(host)
+    config = uvicorn.Config(
+        app, host=host, port=port, log_level="warning", access_log=False, lifespan="off"
+    )
+    server = uvicorn.Server(config)
+    thread = threading.Thread(target=server.run, name="tracerl-http", daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 30
+    while not server.started:
+        if not thread.is_alive() or time.monotonic() > deadline:
+            raise RuntimeError(f"the HTTP server did not start on {host}:{port}")
+        time.sleep(0.01)
+    return BackgroundServer(server, thread, f"http://{host}:{port}")

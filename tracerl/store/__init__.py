@@ -1,0 +1,162 @@
+"""The store: tasks, rollout attempts and their lifecycle, spans, rewards, policy versions.
+
+`Store` is the interface every part codes against. `SqliteStore` (embedded, one file, or
+":memory:" for tests) implements it in-process; `tracerl.store.http.StoreClient` implements
+it over HTTP for runners on other machines. `connect()` picks one from a path or URL.
+
+Errors are one small hierarchy so that callers, and the HTTP layer, can tell a missing
+record from a refused state change from a lease that went to someone else.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Protocol, runtime_checkable
+
+from tracerl.types import PolicyVersion, Reward, Rollout, RolloutStatus, Span, Task
+
+__all__ = [
+    "Conflict",
+    "InvalidTransition",
+    "LeaseLost",
+    "NotFound",
+    "SqliteStore",
+    "Store",
+    "StoreError",
+    "connect",
+]
+
+
+class StoreError(Exception):
+    """Base of every error the store raises on purpose; `message` says what went wrong."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message)
+        self.message = message
+
+
+class NotFound(StoreError):
+    """No task, rollout or version with that id."""
+
+
+class InvalidTransition(StoreError):
+    """The lifecycle change is not in VALID_TRANSITIONS (e.g. finishing twice)."""
+
+
+class LeaseLost(StoreError):
+    """The caller's attempt is no longer the running one: the lease expired and the
+    rollout was re-queued or finished. A runner getting this should abandon the rollout."""
+
+
+class Conflict(StoreError):
+    """A record with this id already exists with different content."""
+
+
+@runtime_checkable
+class Store(Protocol):
+    """What runners, the gateway, the pipeline and the CLI need from a store."""
+
+    def add_tasks(self, tasks: list[Task]) -> None:
+        """Add tasks; re-adding an identical task is a no-op, a different one a Conflict."""
+        ...
+
+    def get_task(self, task_id: str) -> Task:
+        """The task with this id, or NotFound."""
+        ...
+
+    def tasks(self, split: str | None = None) -> list[Task]:
+        """All tasks (of one split), in the order they were added."""
+        ...
+
+    def enqueue(
+        self, task_ids: list[str], group_id: str | None = None, max_attempts: int = 3
+    ) -> list[Rollout]:
+        """One queued rollout per task id (repeat an id for several rollouts of a task)."""
+        ...
+
+    def claim(self, runner_id: str, n: int = 1, lease_s: float = 30.0) -> list[Rollout]:
+        """Re-queue expired leases, then lease up to n of the oldest queued rollouts."""
+        ...
+
+    def heartbeat(self, rollout_id: str, attempt: int, lease_s: float = 30.0) -> Rollout:
+        """Extend the lease of a running attempt; LeaseLost if it is no longer running."""
+        ...
+
+    def get_rollout(self, rollout_id: str) -> Rollout:
+        """The rollout with this id, or NotFound."""
+        ...
+
+    def add_span(self, span: Span) -> None:
+        """Record one model call of the running attempt."""
+        ...
+
+    def add_spans(self, spans: list[Span]) -> None:
+        """Record several model calls at once (all or none)."""
+        ...
+
+    def add_reward(self, reward: Reward) -> None:
+        """Record a reward for the running attempt."""
+        ...
+
+    def finish(
+        self,
+        rollout_id: str,
+        attempt: int,
+        status: RolloutStatus,
+        answer: str | None = None,
+        reward: float | None = None,
+        error: str | None = None,
+    ) -> Rollout:
+        """Move the attempt to a final status, storing the answer and final reward."""
+        ...
+
+    def spans(self, rollout_id: str, attempt: int | None = None) -> list[Span]:
+        """Spans of one attempt (default: the current one), ordered by seq."""
+        ...
+
+    def rewards(self, rollout_id: str, attempt: int | None = None) -> list[Reward]:
+        """Rewards of one attempt (default: the current one), in the order given."""
+        ...
+
+    def rollouts(
+        self,
+        status: RolloutStatus | None = None,
+        group_id: str | None = None,
+        task_id: str | None = None,
+        limit: int | None = None,
+    ) -> list[Rollout]:
+        """Rollouts matching every given filter, oldest first."""
+        ...
+
+    def requeue_expired(self, now: float | None = None) -> list[Rollout]:
+        """Re-queue (or time out, when out of attempts) running rollouts whose lease expired."""
+        ...
+
+    def publish_version(self, pv: PolicyVersion) -> None:
+        """Record a new policy version."""
+        ...
+
+    def latest_version(self, role: str = "policy") -> PolicyVersion | None:
+        """The highest published version of a role, or None before the first."""
+        ...
+
+    def counts(self) -> dict[str, int]:
+        """Number of rollouts in each status (every status present, zeros included)."""
+        ...
+
+    def close(self) -> None:
+        """Release the connection; the store is unusable afterwards."""
+        ...
+
+
+def connect(target: str | Path = ":memory:") -> Store:
+    """A StoreClient for an http(s):// URL, else a SqliteStore on that path."""
+    if str(target).startswith(("http://", "https://")):
+        from tracerl.store.http import StoreClient  # fastapi/httpx only when needed
+
+        return StoreClient(str(target))
+    return SqliteStore(target)
+
+
+# Imported last: sqlite.py imports the errors defined above.
+from tracerl.store.sqlite import SqliteStore  # noqa: E402

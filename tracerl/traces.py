@@ -1,0 +1,89 @@
+"""Reading traces: one rollout with each model call, as a person wants to see it."""
+
+from __future__ import annotations
+
+import json
+
+from rich.console import Console
+from rich.table import Table
+from rich.tree import Tree
+
+from tracerl.store import Store
+from tracerl.types import Rollout, Span
+
+
+def _message_line(msg: dict) -> str:
+    role = msg.get("role", "?")
+    text = str(msg.get("content") or "")
+    calls = msg.get("tool_calls") or []
+    for call in calls:
+        fn = call.get("function", {})
+        args = fn.get("arguments")
+        args = args if isinstance(args, str) else json.dumps(args)
+        text += f" -> {fn.get('name')}({args})"
+    return f"[bold]{role}[/bold]: {text}"
+
+
+def _span_node(span: Span, seen: int) -> Tree:
+    reuse = (
+        f"reused {span.prefix_reused}"
+        if span.prefix_break is None
+        else f"[red]prefix break: {span.prefix_break}[/red]"
+    )
+    head = (
+        f"call {span.seq} · role {span.role} · policy v{span.policy_version} · "
+        f"{len(span.prompt_ids)} prompt tok ({reuse}) · {len(span.completion_ids)} completion tok"
+        f" · {span.latency_s * 1000:.1f} ms · {span.finish_reason}"
+    )
+    node = Tree(head)
+    for msg in span.messages[seen:]:
+        node.add(_message_line(msg))
+    message = span.response.get("message")
+    if isinstance(message, dict):
+        node.add("[green]" + _message_line(message) + "[/green]")
+    return node
+
+
+def show_rollout(store: Store, rollout_id: str, console: Console | None = None) -> None:
+    """Print a rollout: its state, then each call (children under their parent span)."""
+    console = console or Console()
+    rollout = store.get_rollout(rollout_id)
+    spans = store.spans(rollout_id)
+    rewards = store.rewards(rollout_id)
+    console.print(_header(rollout))
+    root = Tree(f"rollout {rollout.id} · task {rollout.task_id}")
+    nodes: dict[str, Tree] = {}
+    seen: dict[str, int] = {}
+    for span in spans:
+        parent = nodes.get(span.parent_span_id or "", root)
+        node = _span_node(span, seen.get(span.role, 0))
+        parent.add(node)
+        nodes[span.id] = node
+        seen[span.role] = len(span.messages) + 1
+    console.print(root)
+    for r in rewards:
+        where = "final" if r.span_seq is None else f"call {r.span_seq}"
+        console.print(f"reward {r.name} ({where}): {r.value:g}")
+
+
+def _header(rollout: Rollout) -> Table:
+    table = Table(show_header=False, box=None)
+    for key in ("id", "task_id", "status", "attempt", "reward", "answer", "error"):
+        value = getattr(rollout, key)
+        if value is not None:
+            table.add_row(key, str(value.value if key == "status" else value))
+    if rollout.started_at and rollout.finished_at:
+        table.add_row("wall", f"{rollout.finished_at - rollout.started_at:.2f} s")
+    return table
+
+
+def list_rollouts(store: Store, limit: int = 20, console: Console | None = None) -> None:
+    """Print the most recent rollouts, one line each."""
+    console = console or Console()
+    table = Table("rollout", "task", "status", "attempt", "reward", "answer")
+    rows = store.rollouts()
+    for r in rows[-limit:]:
+        table.add_row(
+            r.id, r.task_id, r.status.value, str(r.attempt), f"{r.reward}", str(r.answer)[:30]
+        )
+    console.print(table)

@@ -1,0 +1,213 @@
+"""The policy loss: PPO-clip with a truncated importance-sampling correction, and the
+per-token log-probs it needs.
+
+Three log-probs meet here, all of the token the policy sampled:
+- behaviour: what the engine that sampled the token reported (recorded in the span);
+- proximal: the trainer's own log-prob before this update (detached), the anchor of the
+  PPO trust region; in synchronous training behaviour = proximal up to engine/trainer
+  numerics;
+- current: the trainer's log-prob now, with gradient.
+The PPO ratio is current/proximal; the gap behaviour -> proximal (stale versions, engine
+numerics) is corrected by a detached importance weight min(proximal/behaviour, tis_cap).
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import torch
+from pydantic import BaseModel, ConfigDict
+from torch import Tensor
+
+__all__ = ["LossConfig", "LossMetrics", "loss_weights", "policy_loss", "token_logprobs"]
+
+
+class LossConfig(BaseModel):
+    """How the policy loss is computed."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    clip_low: float = 0.2
+    """The ratio is clipped below at 1 - clip_low."""
+    clip_high: float = 0.28
+    """The ratio is clipped above at 1 + clip_high (DAPO clip-higher: > clip_low keeps
+    exploration alive on low-probability tokens)."""
+    tis_cap: float | None = 2.0
+    """Cap of the behaviour -> proximal importance weight; None turns the correction off."""
+    aggregation: Literal["token", "sequence"] = "token"
+    """'token': weighted mean over all sampled tokens of the batch; 'sequence': mean over
+    each row's sampled tokens, then weighted mean over rows."""
+    kl_coef: float = 0.0
+    """Weight of the k3 KL estimator to a reference policy; 0 turns it off."""
+
+
+class LossMetrics(BaseModel):
+    """What one loss evaluation measured, over the sampled tokens (unweighted means)."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    loss: float
+    """The loss value returned with these metrics."""
+    num_tokens: int
+    """Sampled (mask 1) tokens in the batch."""
+    clip_fraction: float
+    """Fraction of tokens where the clipped branch of the surrogate is active."""
+    tis_ratio_mean: float
+    """Mean of exp(proximal - behaviour), before the cap."""
+    tis_ratio_max: float
+    """Largest exp(proximal - behaviour), before the cap."""
+    tis_capped_fraction: float
+    """Fraction of tokens whose importance weight was capped (0 when the cap is off)."""
+    approx_kl: float
+    """KL(behaviour || current), k3 estimator: mean of r - 1 - log r, r = current/behaviour."""
+    ref_kl: float | None = None
+    """KL(current || reference), k3 estimator, when reference log-probs were given."""
+    entropy: float | None = None
+    """Mean token entropy, when the caller passed one."""
+
+
+def token_logprobs(
+    logits_BTV: Tensor,
+    input_ids_BT: Tensor,
+    temperature: float | Tensor = 1.0,
+    chunk_size: int = 1024,
+) -> Tensor:
+    """Log-prob of each input token given the ones before it, in fp32.
+
+    logits_BTV: [B, T, V] model outputs (position t predicts token t+1).
+    input_ids_BT: [B, T]. temperature: a float or a [B] tensor (one per row).
+    Returns logp_BT: [B, T], logp[:, t] = log p(input_ids[:, t] | input_ids[:, :t]);
+    logp[:, 0] = 0. Positions are processed `chunk_size` at a time so only one chunk is
+    ever upcast to fp32.
+    """
+    B, T, _ = logits_BTV.shape
+    temp = temperature.view(-1, 1, 1) if isinstance(temperature, Tensor) else temperature
+    targets_BT1 = input_ids_BT[:, 1:].unsqueeze(-1)
+    parts = [logits_BTV.new_zeros(B, 1, dtype=torch.float32)]
+    for s in range(0, T - 1, chunk_size):
+        x_BCV = logits_BTV[:, s : s + chunk_size].float() / temp
+        picked_BC = x_BCV.gather(-1, targets_BT1[:, s : s + chunk_size]).squeeze(-1)
+        parts.append(picked_BC - torch.logsumexp(x_BCV, dim=-1))
+    return torch.cat(parts, dim=1)
+
+
+def loss_weights(
+    mask_BT: Tensor, weight_BT: Tensor | None, aggregation: Literal["token", "sequence"]
+) -> Tensor:
+    """Per-token weights W_BT of the loss mean: loss = sum(W * l) / sum(W).
+
+    'token': W = weight * mask. 'sequence': W = weight * mask / (row's sampled tokens), so
+    each row counts by its weight whatever its length. A trainer that accumulates over
+    micro-batches sums W over all of them and passes that as `denominator`.
+    """
+    W_BT = mask_BT.float() if weight_BT is None else weight_BT.float() * mask_BT.float()
+    if aggregation == "sequence":
+        W_BT = W_BT / mask_BT.float().sum(dim=1, keepdim=True).clamp(min=1.0)
+    return W_BT
+
+
+def policy_loss(
+    logp_BT: Tensor,
+    proximal_logp_BT: Tensor,
+    behaviour_logp_BT: Tensor,
+    adv_BT: Tensor,
+    mask_BT: Tensor,
+    cfg: LossConfig,
+    weight_BT: Tensor | None = None,
+    ref_logp_BT: Tensor | None = None,
+    *,
+    denominator: float | Tensor | None = None,
+    entropy_BT: Tensor | None = None,
+) -> tuple[Tensor, LossMetrics]:
+    """PPO-clip surrogate with truncated importance sampling; returns (loss, metrics).
+
+    All inputs are [B, T] and aligned with the input ids (see `token_logprobs`); only
+    positions with mask_BT = 1 count, other positions may hold anything.
+      ratio_t = exp(logp - proximal)
+      surr_t  = -min(ratio * A, clip(ratio, 1 - clip_low, 1 + clip_high) * A)
+      tis_t   = min(exp(proximal - behaviour), tis_cap)            (detached)
+      l_t     = tis_t * surr_t + kl_coef * k3(ref || logp)
+      loss    = sum(W * l) / denominator,  W = loss_weights(mask, weight, aggregation)
+    `denominator` defaults to sum(W) of this batch; pass the sum over all micro-batches of
+    one optimizer step (or a constant) to accumulate gradients across micro-batches.
+    Gradient flows into logp_BT only.
+    """
+    if cfg.kl_coef and ref_logp_BT is None:
+        raise ValueError("kl_coef > 0 needs ref_logp_BT")
+    m_BT = mask_BT.bool()
+    # Zero the unmasked positions first: they may hold padding whose exp overflows.
+    logp = torch.where(m_BT, logp_BT, 0.0)
+    prox = torch.where(m_BT, proximal_logp_BT.detach(), 0.0)
+    beh = torch.where(m_BT, behaviour_logp_BT.detach(), 0.0)
+    adv = torch.where(m_BT, adv_BT, 0.0)
+
+    ratio = torch.exp(logp - prox)
+    clipped = ratio.clamp(1.0 - cfg.clip_low, 1.0 + cfg.clip_high)
+    surr = -torch.minimum(ratio * adv, clipped * adv)
+    is_ratio = torch.exp(prox - beh)
+    tis = torch.ones_like(is_ratio) if cfg.tis_cap is None else is_ratio.clamp(max=cfg.tis_cap)
+    per_token = tis * surr
+    ref_kl = None
+    if ref_logp_BT is not None:
+        ref_kl = _k3(torch.where(m_BT, ref_logp_BT.detach(), 0.0) - logp)
+        per_token = per_token + cfg.kl_coef * ref_kl
+
+    W_BT = loss_weights(mask_BT, weight_BT, cfg.aggregation)
+    denom = W_BT.sum() if denominator is None else denominator
+    loss = (W_BT * per_token).sum() / torch.as_tensor(denom).clamp(min=1e-8)
+    metrics = _metrics(loss, m_BT, ratio, adv, is_ratio, cfg, logp - beh, ref_kl, entropy_BT)
+    return loss, metrics
+
+
+def _k3(log_r: Tensor) -> Tensor:
+    """k3 estimator of KL(p || q) from log_r = log q - log p on samples of p."""
+    return torch.exp(log_r) - 1.0 - log_r
+
+
+@torch.no_grad()
+def _metrics(
+    loss: Tensor,
+    m_BT: Tensor,
+    ratio: Tensor,
+    adv: Tensor,
+    is_ratio: Tensor,
+    cfg: LossConfig,
+    log_r_cur_beh: Tensor,
+    ref_kl: Tensor | None,
+    entropy_BT: Tensor | None,
+) -> LossMetrics:
+    m = m_BT.float()
+    n = m.sum().clamp(min=1.0)
+
+    def mean(x: Tensor) -> Tensor:
+        return (x.float() * m).sum() / n
+
+    hi = (ratio > 1.0 + cfg.clip_high) & (adv > 0)
+    lo = (ratio < 1.0 - cfg.clip_low) & (adv < 0)
+    capped = is_ratio > cfg.tis_cap if cfg.tis_cap is not None else torch.zeros_like(m_BT)
+    zero = torch.zeros((), device=m.device)
+    # One stack and one .tolist(): a single device sync for all metrics.
+    vals = torch.stack(
+        [
+            loss.detach().float(),
+            mean(hi | lo),
+            mean(is_ratio),
+            torch.where(m_BT, is_ratio, 0.0).max() if m_BT.any() else zero,
+            mean(capped),
+            mean(_k3(log_r_cur_beh)),
+            mean(ref_kl) if ref_kl is not None else zero,
+            mean(entropy_BT) if entropy_BT is not None else zero,
+            m.sum(),
+        ]
+    ).tolist()
+    return LossMetrics(
+        loss=vals[0],
+        num_tokens=int(vals[8]),
+        clip_fraction=vals[1],
+        tis_ratio_mean=vals[2],
+        tis_ratio_max=vals[3],
+        tis_capped_fraction=vals[4],
+        approx_kl=vals[5],
+        ref_kl=vals[6] if ref_kl is not None else None,
+        entropy=vals[7] if entropy_BT is not None else None,
+    )

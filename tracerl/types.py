@@ -1,0 +1,269 @@
+"""Records that cross a boundary between tracerl's parts.
+
+Every record here is typed and frozen: a task as the user wrote it, a rollout attempt and
+its lifecycle, a span (one model call recorded token by token), a reward, and what an
+engine is asked and answers. Token ids and log-probs travel as plain lists here; the store
+packs them into compact arrays on disk.
+"""
+
+from __future__ import annotations
+
+import time
+from enum import StrEnum
+
+from pydantic import BaseModel, ConfigDict, Field, JsonValue, model_validator
+
+__all__ = [
+    "VALID_TRANSITIONS",
+    "Generation",
+    "PolicyVersion",
+    "Reward",
+    "Rollout",
+    "RolloutStatus",
+    "SamplingParams",
+    "Span",
+    "Task",
+    "Transition",
+]
+
+
+class _Record(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+
+class Task(_Record):
+    """One problem for the agent; several rollouts may attempt it."""
+
+    id: str
+    """Unique id, chosen by the user or generated when the task is added."""
+    input: dict[str, JsonValue]
+    """What the agent receives, exactly as written in the task file (e.g. {"question": ...})."""
+    answer: JsonValue = None
+    """Reference answer the reward function may compare against; never shown to the agent."""
+    split: str = "train"
+    """Which set the task belongs to ("train", "eval", ...)."""
+
+
+class RolloutStatus(StrEnum):
+    """Where a rollout attempt is in its lifecycle."""
+
+    queued = "queued"
+    running = "running"
+    succeeded = "succeeded"
+    failed = "failed"
+    timed_out = "timed_out"
+
+
+FINISHED = frozenset({RolloutStatus.succeeded, RolloutStatus.failed, RolloutStatus.timed_out})
+
+# The lifecycle as data: the store refuses any transition not listed here.
+# running -> queued happens when a runner's lease expires (it died or hung) and the
+# rollout still has attempts left; each new claim starts a new attempt.
+VALID_TRANSITIONS: dict[RolloutStatus, frozenset[RolloutStatus]] = {
+    RolloutStatus.queued: frozenset({RolloutStatus.running, RolloutStatus.failed}),
+    RolloutStatus.running: frozenset(
+        {
+            RolloutStatus.succeeded,
+            RolloutStatus.failed,
+            RolloutStatus.timed_out,
+            RolloutStatus.queued,
+        }
+    ),
+    RolloutStatus.succeeded: frozenset(),
+    RolloutStatus.failed: frozenset(),
+    RolloutStatus.timed_out: frozenset(),
+}
+
+
+class Rollout(_Record):
+    """One attempt of one task by the agent, as the store sees it."""
+
+    id: str
+    """Unique id; also the path segment in the gateway URL (/rollouts/<id>/v1)."""
+    task_id: str
+    """The task this rollout attempts."""
+    status: RolloutStatus = RolloutStatus.queued
+    """Lifecycle state; changes only along VALID_TRANSITIONS."""
+    attempt: int = 0
+    """How many times a runner has claimed it; spans and rewards belong to one attempt."""
+    max_attempts: int = 3
+    """After this many expired leases the rollout fails instead of being re-queued."""
+    group_id: str | None = None
+    """Rollouts sharing a group share a baseline (the same task within one step)."""
+    runner_id: str | None = None
+    """Who holds the lease now (None while queued or finished)."""
+    lease_expires_at: float | None = None
+    """Unix time after which the store re-queues a running rollout whose runner went silent."""
+    created_at: float = Field(default_factory=time.time)
+    """When it was queued."""
+    started_at: float | None = None
+    """When the current attempt was claimed."""
+    finished_at: float | None = None
+    """When it reached a final state."""
+    answer: str | None = None
+    """The agent's final answer, as the runner received it."""
+    reward: float | None = None
+    """The final reward of the last attempt (also stored as a Reward record)."""
+    error: str | None = None
+    """Why it failed or timed out: an exception's text, 'lease expired', ..."""
+
+
+class Span(_Record):
+    """One model call inside a rollout, recorded token by token by the gateway.
+
+    The prompt/completion split is decided here, at capture time, and carried to the loss:
+    completion_ids are exactly the tokens the policy sampled, and nothing downstream
+    re-tokenizes text to find them again.
+    """
+
+    id: str
+    """Unique id."""
+    rollout_id: str
+    """The rollout this call belongs to."""
+    attempt: int
+    """The rollout attempt during which the call was made."""
+    seq: int
+    """Order of the call within the attempt, from 0."""
+    role: str
+    """The `model` name the agent asked for: which policy or frozen model answered."""
+    policy_version: int
+    """Version of the weights that sampled the completion."""
+    prompt_ids: list[int]
+    """Exact token ids the engine was given."""
+    completion_ids: list[int]
+    """Exact token ids the engine sampled (including the end token if it was sampled)."""
+    logprobs: list[float]
+    """Log-probability of each completion token under the behaviour policy, at the sampling
+    temperature, before any top-p truncation; len(logprobs) == len(completion_ids)."""
+    messages: list[dict[str, JsonValue]] = Field(default_factory=list)
+    """The chat messages of the request (OpenAI format), for reading traces; [] for
+    plain completions."""
+    response: dict[str, JsonValue] = Field(default_factory=dict)
+    """The message returned to the agent (content, tool_calls) and the finish reason."""
+    finish_reason: str = "stop"
+    """'stop' (end token or stop string), 'length' (max_tokens) or 'tool_calls'."""
+    temperature: float = 1.0
+    """Sampling temperature the log-probs were taken at."""
+    prefix_reused: int = 0
+    """How many leading prompt ids were taken verbatim from the previous call of this
+    rollout and role (token-in/token-out); 0 for a first call or after a prefix break."""
+    prefix_break: str | None = None
+    """Why the previous call's ids could not be reused (edited history, template drift...),
+    or None when they were reused or there was nothing to reuse."""
+    parent_span_id: str | None = None
+    """The span of the agent that spawned this call's agent, when agents nest."""
+    latency_s: float = 0.0
+    """Wall time from request to response inside the gateway."""
+    created_at: float = Field(default_factory=time.time)
+    """When the call finished."""
+
+
+class Reward(_Record):
+    """A scalar reward for a rollout, final or for one step."""
+
+    rollout_id: str
+    """The rollout it rewards."""
+    attempt: int
+    """The attempt it rewards; rewards of abandoned attempts are ignored."""
+    value: float
+    """The reward."""
+    span_seq: int | None = None
+    """For a per-step reward, the seq of the span it rewards; None for the final reward."""
+    name: str = "reward"
+    """A label for reports (e.g. 'correct', 'format')."""
+    created_at: float = Field(default_factory=time.time)
+    """When it was given."""
+
+
+class PolicyVersion(_Record):
+    """A published version of a trainable policy's weights."""
+
+    version: int
+    """Monotonic version number; 0 is the initial model."""
+    path: str
+    """Directory holding the weights (an HF model dir or a peft adapter)."""
+    role: str = "policy"
+    """Which policy this is a version of."""
+    created_at: float = Field(default_factory=time.time)
+    """When it was published."""
+
+
+class SamplingParams(_Record):
+    """How an engine should sample one completion."""
+
+    max_tokens: int = 256
+    """Upper bound on sampled tokens."""
+    temperature: float = 1.0
+    """Softmax temperature; 0 means greedy (log-probs then taken at temperature 1)."""
+    top_p: float = 1.0
+    """Nucleus sampling mass; 1.0 disables it."""
+    stop: list[str] = Field(default_factory=list)
+    """Stop strings: generation ends when the decoded completion contains one."""
+    seed: int | None = None
+    """Seed for this request's sampler; None draws from the engine's generator."""
+
+
+class Generation(_Record):
+    """What an engine answers for one prompt."""
+
+    completion_ids: list[int]
+    """Sampled token ids, including the end token when one was sampled."""
+    logprobs: list[float]
+    """Log-probability of each sampled token (see Span.logprobs)."""
+    finish_reason: str
+    """'stop' for an end token or stop string, 'length' for max_tokens."""
+    policy_version: int
+    """Version of the weights that produced every token of this completion."""
+    stop_string: str | None = None
+    """The stop string that ended generation, if any."""
+
+
+class Transition(_Record):
+    """One training row: a token sequence of one role of one rollout, with its loss mask.
+
+    Built from spans by `tracerl.algorithms.transitions.spans_to_transitions`: consecutive
+    calls whose prompt extends the previous prompt + completion share one row, so every
+    token appears once. All per-token lists are aligned with `input_ids`.
+    """
+
+    rollout_id: str
+    """The rollout the row comes from."""
+    group_id: str
+    """The group whose rollouts share a baseline."""
+    task_id: str
+    """The task the rollout attempted."""
+    role: str
+    """The policy that sampled the row's completions."""
+    input_ids: list[int]
+    """The whole sequence: prompts, tool/user turns and sampled completions, in order."""
+    loss_mask: list[int]
+    """1 exactly on tokens the policy sampled, 0 on prompt, tool and user context."""
+    behaviour_logprobs: list[float]
+    """Log-prob of each sampled token under the policy that sampled it; 0.0 where the
+    mask is 0."""
+    versions: list[int]
+    """Policy version that sampled each token; -1 where the mask is 0."""
+    advantages: list[float]
+    """Per-token advantage written by the algorithm; 0.0 where the mask is 0."""
+    reward: float
+    """The return credited to this row: the final reward plus the row's step rewards."""
+    span_ids: list[str]
+    """The spans merged into this row, in call order."""
+    num_spans: int
+    """len(span_ids): how many model calls the row holds."""
+    weight: float = 1.0
+    """Loss weight of each sampled token of this row; the algorithm's per-rollout
+    normalisation writes it (see tracerl.algorithms.advantages)."""
+    temperature: float = 1.0
+    """Sampling temperature of the row's spans; the trainer takes log-probs at it so the
+    importance ratio compares like with like."""
+
+    @model_validator(mode="after")
+    def _aligned(self) -> Transition:
+        n = len(self.input_ids)
+        lens = (len(self.loss_mask), len(self.behaviour_logprobs), len(self.versions))
+        if any(k != n for k in (*lens, len(self.advantages))):
+            raise ValueError(f"per-token lists must all have len(input_ids)={n}")
+        if self.num_spans != len(self.span_ids):
+            raise ValueError("num_spans must equal len(span_ids)")
+        return self
