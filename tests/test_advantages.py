@@ -6,11 +6,13 @@ import math
 
 import pytest
 
-from tracerl.algorithms.advantages import RLOO, DrGRPO, GRPO, compute_advantages
+from tracerl.algorithms.advantages import GRPO, RLOO, DrGRPO, compute_advantages
 from tracerl.types import Transition
 
 
-def row(rollout: str, reward: float, mask: list[int], *, group: str = "g", role: str = "policy") -> Transition:
+def row(
+    rollout: str, reward: float, mask: list[int], *, group: str = "g", role: str = "policy"
+) -> Transition:
     n = len(mask)
     return Transition(
         rollout_id=rollout,
@@ -44,7 +46,12 @@ def per_row_adv(rows: list[Transition]) -> dict[tuple[str, int], float]:
     return out
 
 
-GROUP = [row("a", 1.0, [0, 1, 1]), row("b", 0.0, [0, 0, 1, 1, 1]), row("c", 0.5, [0, 1]), row("d", 0.0, [1])]
+GROUP = [
+    row("a", 1.0, [0, 1, 1]),
+    row("b", 0.0, [0, 0, 1, 1, 1]),
+    row("c", 0.5, [0, 1]),
+    row("d", 0.0, [1]),
+]
 REWARDS = [1.0, 0.0, 0.5, 0.0]
 
 
@@ -55,7 +62,9 @@ def test_grpo_matches_reference() -> None:
     for i, r in enumerate(REWARDS):
         assert got[("abcd"[i], i)] == pytest.approx((r - mean) / (std + 1e-6), rel=1e-12)
     unscaled = per_row_adv(compute_advantages(GRPO(scale_by_std=False), GROUP))
-    assert [unscaled[("abcd"[i], i)] for i in range(4)] == pytest.approx([r - mean for r in REWARDS])
+    assert [unscaled[("abcd"[i], i)] for i in range(4)] == pytest.approx(
+        [r - mean for r in REWARDS]
+    )
 
 
 def test_rloo_matches_reference() -> None:
@@ -80,7 +89,11 @@ def test_zero_variance_group_gives_zero_advantages(algo) -> None:
 
 def test_single_rollout_group_gives_zero_advantages() -> None:
     for algo in (GRPO(), RLOO(), DrGRPO()):
-        assert all(a == 0.0 for r in compute_advantages(algo, [row("a", 1.0, [0, 1])]) for a in r.advantages)
+        assert all(
+            a == 0.0
+            for r in compute_advantages(algo, [row("a", 1.0, [0, 1])])
+            for a in r.advantages
+        )
 
 
 # Rollout "x" has one row with 6 sampled tokens; rollout "y" has three rows (prefix breaks)

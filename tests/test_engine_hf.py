@@ -166,7 +166,9 @@ def test_concurrent_requests_share_forward_passes(
     engine: HFEngine, ref_model: PreTrainedModel, prompt_ids: list[list[int]]
 ) -> None:
     async def main() -> list[Generation]:
-        return await asyncio.gather(*[engine.generate(p, s) for p, s in zip(prompt_ids, MIXED)])
+        return await asyncio.gather(
+            *[engine.generate(p, s) for p, s in zip(prompt_ids, MIXED, strict=True)]
+        )
 
     gens = asyncio.run(main())
     assert engine.stats.batches < len(prompt_ids)
@@ -184,9 +186,12 @@ def test_rows_joining_a_running_batch_keep_exact_logprobs(
     long = [SamplingParams(max_tokens=40, temperature=1.0, seed=i) for i in range(4)]
 
     async def main() -> list[Generation]:
-        first = [asyncio.ensure_future(engine.generate(p, s)) for p, s in zip(prompt_ids, long)]
+        first = [
+            asyncio.ensure_future(engine.generate(p, s))
+            for p, s in zip(prompt_ids[:4], long, strict=True)
+        ]
         await _wait_for(lambda: engine.stats.decode_steps >= 3)
-        late = [engine.generate(p, s) for p, s in zip(prompt_ids[4:], MIXED[4:])]
+        late = [engine.generate(p, s) for p, s in zip(prompt_ids[4:], MIXED[4:], strict=True)]
         return await asyncio.gather(*first, *late)
 
     gens = asyncio.run(main())
@@ -194,6 +199,23 @@ def test_rows_joining_a_running_batch_keep_exact_logprobs(
     assert engine.stats.peak_rows > 4  # late rows decoded alongside early ones
     for prompt, params, gen in zip(prompt_ids, long + MIXED[4:], gens, strict=True):
         _assert_logprobs_match(ref_model, prompt, gen, params)
+
+
+def test_requests_beyond_max_batch_size_wait_for_a_free_row(
+    model_dir: Path, prompt_ids: list[list[int]]
+) -> None:
+    small = HFEngine(model_dir, max_batch_size=2)
+
+    async def main() -> list[Generation]:
+        params = SamplingParams(max_tokens=6, temperature=0)
+        return await asyncio.gather(*[small.generate(p, params) for p in prompt_ids[:5]])
+
+    try:
+        gens = asyncio.run(main())
+    finally:
+        small.close()
+    assert len(gens) == 5 and all(g.completion_ids for g in gens)
+    assert small.stats.peak_rows == 2
 
 
 def test_seeded_request_is_reproducible_in_any_batch(

@@ -16,44 +16,9 @@ from transformers import AutoTokenizer
 from tracerl.gateway import Gateway, ServedModel, create_app
 from tracerl.server import BackgroundServer, serve_in_thread
 from tracerl.store.sqlite import SqliteStore
-from tracerl.types import Generation, SamplingParams, Task
+from tracerl.types import Task
 
-CALL = '<tool_call>{"name": "calculator", "arguments": {"expression": "37+48"}}</tool_call>'
-
-
-class ScriptedEngine:
-    """Answers like a perfect calculator model: a tool call first, the number after."""
-
-    def __init__(self, tokenizer, max_context: int = 512) -> None:  # type: ignore[no-untyped-def]
-        self.tokenizer = tokenizer
-        self.eos = tokenizer.convert_tokens_to_ids("<|end|>")
-        self.eos_token_ids = [self.eos]
-        self.max_context = max_context
-        self.policy_version = 3
-        self.prompts: list[list[int]] = []
-
-    async def generate(self, prompt_ids: list[int], params: SamplingParams) -> Generation:
-        self.prompts.append(prompt_ids)
-        text = self.tokenizer.decode(prompt_ids, skip_special_tokens=False)
-        turns = text.split("<|end|>")
-        last_turn = turns[-2] if len(turns) > 1 else ""
-        reply = "85" if "<|tool|>" in last_turn else CALL
-        ids = [*self.tokenizer.encode(reply, add_special_tokens=False), self.eos]
-        finish = "stop"
-        if len(ids) > params.max_tokens:
-            ids, finish = ids[: params.max_tokens], "length"
-        return Generation(
-            completion_ids=ids,
-            logprobs=[-0.1] * len(ids),
-            finish_reason=finish,
-            policy_version=self.policy_version,
-        )
-
-    def load_weights(self, path: str, version: int) -> None:
-        self.policy_version = version
-
-    def close(self) -> None:
-        pass
+from .scripted import ScriptedEngine
 
 
 @pytest.fixture

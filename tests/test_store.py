@@ -314,7 +314,7 @@ def test_span_round_trip(store: Store) -> None:
         assert s.prompt_ids == want.prompt_ids and s.completion_ids == want.completion_ids
         # Log-probs are kept as float32: exact at float32, close at float64.
         np.testing.assert_array_equal(
-            np.float32(s.logprobs), np.float32(want.logprobs), strict=False
+            np.asarray(s.logprobs, np.float32), np.asarray(want.logprobs, np.float32), strict=False
         )
         assert s.model_dump(exclude={"logprobs"}) == want.model_dump(exclude={"logprobs"})
         assert list(s.messages[0]) == ["role", "content", "name"]  # key order kept
@@ -370,7 +370,7 @@ def test_packing_round_trip() -> None:
     ids = [0, 1, 2**31 - 1, 151_643]
     assert unpack_ids(pack_ids(ids)) == ids and len(pack_ids(ids)) == 16
     lp = [-0.1, -12.5, 0.0]
-    assert unpack_floats(pack_floats(lp)) == np.float32(lp).tolist()
+    assert unpack_floats(pack_floats(lp)) == np.asarray(lp, np.float32).tolist()
     with pytest.raises(OverflowError):
         pack_ids([2**31])
 
@@ -413,7 +413,7 @@ os._exit(0)  # no close, no checkpoint
 
 
 def test_connect_picks_backend() -> None:
-    assert isinstance(connect(), SqliteStore)
+    assert isinstance(connect(), SqliteStore) and isinstance(connect(), Store)
     client = connect("http://127.0.0.1:1/store")
-    assert isinstance(client, StoreClient)
+    assert isinstance(client, StoreClient) and isinstance(client, Store)
     client.close()

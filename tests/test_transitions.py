@@ -79,7 +79,7 @@ def test_merged_row_costs_fewer_tokens_than_one_row_per_span() -> None:
     spans = calculator_rollout()
     (row,) = spans_to_transitions(spans, 1.0, group_id="g", task_id="t")
     per_span = sum(len(s.prompt_ids) + len(s.completion_ids) for s in spans)
-    assert len(row.input_ids) == 17 and per_span == 45
+    assert len(row.input_ids) == 17 and per_span == 44
     assert sum(row.loss_mask) == sum(len(s.completion_ids) for s in spans)
 
 
@@ -100,7 +100,10 @@ def test_edited_history_starts_a_new_row() -> None:
 
 def test_two_roles_give_separate_rows() -> None:
     planner = [span(0, [1, 2], [10], role="planner"), span(2, [1, 2, 10, 3], [11], role="planner")]
-    executor = [span(1, [5], [20, 21], role="executor"), span(3, [5, 20, 21, 6], [22], role="executor")]
+    executor = [
+        span(1, [5], [20, 21], role="executor"),
+        span(3, [5, 20, 21, 6], [22], role="executor"),
+    ]
     rows = spans_to_transitions(
         [planner[0], executor[0], planner[1], executor[1]], 1.0, group_id="g", task_id="t"
     )
@@ -123,7 +126,9 @@ def test_step_rewards_add_to_the_row_holding_the_span() -> None:
     s0, s1, s2, s3 = calculator_rollout()
     s2 = s2.model_copy(update={"prompt_ids": [9] + s2.prompt_ids})  # break after turn 1
     s3 = s3.model_copy(update={"prompt_ids": [9] + s3.prompt_ids})
-    rows = spans_to_transitions([s0, s1, s2, s3], 1.0, {1: 0.25, 3: -0.5}, group_id="g", task_id="t")
+    rows = spans_to_transitions(
+        [s0, s1, s2, s3], 1.0, {1: 0.25, 3: -0.5}, group_id="g", task_id="t"
+    )
     assert [r.reward for r in rows] == [1.25, 0.5]
 
 
@@ -137,6 +142,9 @@ def test_temperature_change_starts_a_new_row_and_is_recorded() -> None:
 def test_spans_of_two_rollouts_are_refused() -> None:
     with pytest.raises(ValueError):
         spans_to_transitions(
-            [span(0, [1], [2]), span(1, [1, 2], [3], rollout_id="r2")], 0.0, group_id="g", task_id="t"
+            [span(0, [1], [2]), span(1, [1, 2], [3], rollout_id="r2")],
+            0.0,
+            group_id="g",
+            task_id="t",
         )
     assert spans_to_transitions([], 1.0, group_id="g", task_id="t") == []

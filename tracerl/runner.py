@@ -197,8 +197,7 @@ class Runner:
         """Run workers until nothing is queued or running (until_idle) or `stop` is set."""
         stop = stop or asyncio.Event()
         workers = [
-            asyncio.create_task(self._worker(until_idle, stop))
-            for _ in range(self.cfg.concurrency)
+            asyncio.create_task(self._worker(until_idle, stop)) for _ in range(self.cfg.concurrency)
         ]
         await asyncio.gather(*workers)
 
@@ -220,8 +219,8 @@ class Runner:
         """Run one claimed rollout to a final state (or abandon it if its lease is lost)."""
         task = await asyncio.to_thread(self.store.get_task, rollout.task_id)
         base_url = f"{self.gateway_url}/rollouts/{rollout.id}/v1"
-        run = asyncio.create_task(
-            self.agent(task, base_url, self.cfg.api_key, self.cfg.model), name=rollout.id
+        run: asyncio.Future[AgentResult] = asyncio.ensure_future(
+            self.agent(task, base_url, self.cfg.api_key, self.cfg.model)
         )
         beat = asyncio.create_task(self._heartbeat(rollout, run))
         answer, reward, error = None, None, None
@@ -270,7 +269,7 @@ class Runner:
             return None
         return float(self.reward_fn(task.model_dump(), result.answer or ""))
 
-    async def _heartbeat(self, rollout: Rollout, run: asyncio.Task[AgentResult]) -> None:
+    async def _heartbeat(self, rollout: Rollout, run: asyncio.Future[AgentResult]) -> None:
         while True:
             await asyncio.sleep(self.cfg.lease_s / 3)
             try:

@@ -7,7 +7,8 @@ planners' rows of the same task, an executor's with the executors'.
 
 A rollout's return, for the group statistics, is the mean of its rows' rewards (the final
 reward when there are no step rewards); each row's advantage uses its own reward against
-the group baseline, so step rewards still separate rows of one rollout.
+the group baseline, so step rewards still separate rows of one rollout. A group whose
+rollout returns are all equal (or that has one rollout) gives zero advantages: no signal.
 
 Per-rollout normalisation ("a rollout with more calls must not weigh more") is a weight on
 each sampled token, `Transition.weight`, that the loss uses as a weighted mean (see
@@ -41,6 +42,19 @@ def _with_advantage(row: Transition, adv: float) -> Transition:
 
 def _rollout_return(rows: list[Transition]) -> float:
     return statistics.fmean(r.reward for r in rows)
+
+
+def _write(
+    rollouts: list[list[Transition]], returns: list[float], baselines: list[float], scale: float
+) -> list[Transition]:
+    """Row advantage = (row reward - its rollout's baseline) * scale, on sampled tokens."""
+    if max(returns) == min(returns):
+        scale = 0.0  # no spread, no signal (also avoids float dust like 0.7 - mean = 1e-16)
+    return [
+        _with_advantage(r, (r.reward - b) * scale)
+        for b, rows in zip(baselines, rollouts, strict=True)
+        for r in rows
+    ]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -77,13 +91,8 @@ class GRPO(Algorithm):
         returns = [_rollout_return(rows) for rows in rollouts]
         mean = statistics.fmean(returns)
         std = statistics.stdev(returns) if len(returns) > 1 else 0.0
-        if std == 0.0:
-            scale = 0.0  # no spread, no signal: every rollout did equally well
-        elif self.scale_by_std:
-            scale = 1.0 / (std + self.eps)
-        else:
-            scale = 1.0
-        return [_with_advantage(r, (r.reward - mean) * scale) for rows in rollouts for r in rows]
+        scale = 1.0 / (std + self.eps) if self.scale_by_std else 1.0
+        return _write(rollouts, returns, [mean] * len(returns), scale)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -95,13 +104,8 @@ class RLOO(Algorithm):
     def per_group(self, rollouts: list[list[Transition]]) -> list[Transition]:
         returns = [_rollout_return(rows) for rows in rollouts]
         n, total = len(returns), sum(returns)
-        out = []
-        for ret, rows in zip(returns, rollouts, strict=True):
-            baseline = (total - ret) / (n - 1) if n > 1 else None
-            out += [
-                _with_advantage(r, 0.0 if baseline is None else r.reward - baseline) for r in rows
-            ]
-        return out
+        baselines = [(total - ret) / (n - 1) if n > 1 else ret for ret in returns]
+        return _write(rollouts, returns, baselines, 1.0)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -116,8 +120,8 @@ class DrGRPO(Algorithm):
     normalize: Normalize = "none"
 
     def per_group(self, rollouts: list[list[Transition]]) -> list[Transition]:
-        mean = statistics.fmean(_rollout_return(rows) for rows in rollouts)
-        return [_with_advantage(r, r.reward - mean) for rows in rollouts for r in rows]
+        returns = [_rollout_return(rows) for rows in rollouts]
+        return _write(rollouts, returns, [statistics.fmean(returns)] * len(returns), 1.0)
 
 
 def compute_advantages(algorithm: Algorithm, rows: list[Transition]) -> list[Transition]:

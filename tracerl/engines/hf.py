@@ -15,12 +15,14 @@ therefore sampled by one version, which its Generation records.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import copy
 import dataclasses
 import queue
 import threading
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import cast
 
 import torch
 import torch.nn.functional as F
@@ -141,7 +143,9 @@ class HFEngine:
         self.eos_token_ids: list[int] = _eos_token_ids(self._model, self.tokenizer)
         self.policy_version = policy_version
         self._serving_version = policy_version
-        self._vocab_size = self._model.get_input_embeddings().num_embeddings
+        self._vocab_size = cast(
+            torch.nn.Embedding, self._model.get_input_embeddings()
+        ).num_embeddings
         pad_id = self.tokenizer.pad_token_id
         self._pad_id = pad_id if pad_id is not None else self.eos_token_ids[0]
         self._eos = frozenset(self.eos_token_ids)
@@ -155,6 +159,7 @@ class HFEngine:
         self._pending: tuple[PreTrainedModel, int] | None = None
         self._lock = threading.Lock()
         self._counters = _Counters()
+        self._outbox: list[tuple[_Request, Generation | BaseException]] = []
         self._closed = False
         self._thread = threading.Thread(target=self._run, name="hf-engine", daemon=True)
         self._thread.start()
@@ -203,6 +208,7 @@ class HFEngine:
         self._thread.join()
         # A request that slipped in while the worker was stopping must not wait forever.
         self._fail_in_flight(RuntimeError("engine closed"))
+        self._send_outbox()
 
     # -- checks and loading ----------------------------------------------------------------
 
@@ -226,8 +232,8 @@ class HFEngine:
             raise ValueError("top_p must be in (0, 1]")
 
     def _load_model(self, path: str | Path) -> PreTrainedModel:
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=self.dtype)
-        model.to(self.device).eval().requires_grad_(False)
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=self.dtype, device_map=self.device)
+        model.eval().requires_grad_(False)
         return model
 
     def _stage(self, model: PreTrainedModel, version: int) -> None:
@@ -248,7 +254,9 @@ class HFEngine:
                     self._step()
                 except Exception as exc:  # a bug here must not kill the worker
                     self._fail_in_flight(exc)
+                self._send_outbox()
             self._fail_in_flight(RuntimeError("engine closed"))
+            self._send_outbox()
 
     def _collect(self, block: bool) -> None:
         try:
@@ -357,7 +365,7 @@ class HFEngine:
             mask_BL=mask_BL,
             next_B=ids_BL[:, -1],
             pos_B=mask_BL.sum(-1),
-            joinable=all(type(layer) is DynamicLayer for layer in cache.layers),
+            joinable=_joinable(cache),
         )
         self._counters.batches += 1
         self._sample(batch, out.logits[:, -1])
@@ -432,25 +440,27 @@ class HFEngine:
             policy_version=row.version,
             stop_string=stop_string,
         )
-        _deliver(row.request, generation)
-        self._counters.requests += 1
+        self._outbox.append((row.request, generation))
 
     def _fail(self, rows: list[_Row], exc: BaseException) -> None:
-        for row in rows:
-            _deliver(row.request, exc)
-        self._counters.requests += len(rows)
+        self._outbox.extend((row.request, exc) for row in rows)
 
     def _fail_in_flight(self, exc: BaseException) -> None:
         """Fail the running batch and every waiting request; the worker goes on."""
         self._collect(block=False)
         waiting, self._waiting = self._waiting, []
-        for request in waiting:
-            _deliver(request, exc)
-        self._counters.requests += len(waiting)
+        self._outbox.extend((request, exc) for request in waiting)
         batch, self._batch = self._batch, None
         if batch is not None:
             self._fail(batch.rows, exc)
         self._note_rows()
+
+    def _send_outbox(self) -> None:
+        """Deliver this iteration's answers, after the stats already count them."""
+        outbox, self._outbox = self._outbox, []
+        self._counters.requests += len(outbox)
+        for request, outcome in outbox:
+            _deliver(request, outcome)
 
     def _note_rows(self) -> None:
         running = len(self._batch.rows) if self._batch is not None else 0
@@ -479,9 +489,9 @@ def _trim_left(batch: _Batch) -> None:
     start = int(batch.mask_BL.any(0).int().argmax())
     if start == 0:
         return
-    for layer in batch.cache.layers:
-        layer.keys = layer.keys[:, :, start:]
-        layer.values = layer.values[:, :, start:]
+    for layer in _dynamic_layers(batch.cache):
+        keys, values = _kv(layer)
+        layer.keys, layer.values = keys[:, :, start:], values[:, :, start:]
     batch.mask_BL = batch.mask_BL[:, start:]
 
 
@@ -493,14 +503,38 @@ def _merge(a: _Batch, b: _Batch) -> _Batch:
         missing = width - x.shape[-dim_from_end]
         return F.pad(x, (0, 0) * (dim_from_end - 1) + (missing, 0))
 
-    for la, lb in zip(a.cache.layers, b.cache.layers, strict=True):
-        la.keys = torch.cat([pad_left(la.keys, 2), pad_left(lb.keys, 2)])
-        la.values = torch.cat([pad_left(la.values, 2), pad_left(lb.values, 2)])
+    for la, lb in zip(_dynamic_layers(a.cache), _dynamic_layers(b.cache), strict=True):
+        (keys_a, values_a), (keys_b, values_b) = _kv(la), _kv(lb)
+        la.keys = torch.cat([pad_left(keys_a, 2), pad_left(keys_b, 2)])
+        la.values = torch.cat([pad_left(values_a, 2), pad_left(values_b, 2)])
     a.mask_BL = torch.cat([pad_left(a.mask_BL, 1), pad_left(b.mask_BL, 1)])
     a.next_B = torch.cat([a.next_B, b.next_B])
     a.pos_B = torch.cat([a.pos_B, b.pos_B])
     a.rows = a.rows + b.rows
     return a
+
+
+def _joinable(cache: DynamicCache) -> bool:
+    """True for a plain full-attention cache, the only kind batch surgery knows how to edit.
+
+    Sliding-window, linear-attention or KV-sharing layers make a batch run to completion
+    before the next one is admitted (dynamic batching).
+    """
+    return all(
+        type(layer) is DynamicLayer and getattr(layer, "keys", None) is not None
+        for layer in cache.layers
+    )
+
+
+def _dynamic_layers(cache: DynamicCache) -> list[DynamicLayer]:
+    """The cache's layers, which only joinable batches touch: all plain DynamicLayers."""
+    return cast(list[DynamicLayer], cache.layers)
+
+
+def _kv(layer: DynamicLayer) -> tuple[torch.Tensor, torch.Tensor]:
+    """A filled layer's keys and values, each [B, heads, L, head_dim]."""
+    assert layer.keys is not None and layer.values is not None, "prefill fills every layer"
+    return layer.keys, layer.values
 
 
 def _top_p_filter(probs_BV: torch.Tensor, top_p_B: torch.Tensor) -> torch.Tensor:
@@ -513,10 +547,9 @@ def _top_p_filter(probs_BV: torch.Tensor, top_p_B: torch.Tensor) -> torch.Tensor
 
 def _deliver(request: _Request, outcome: Generation | BaseException) -> None:
     """Hand a result or an error to the caller's event loop."""
-    try:
+    # A closed loop raises RuntimeError: its caller is gone and nobody is waiting any more.
+    with contextlib.suppress(RuntimeError):
         request.loop.call_soon_threadsafe(_settle, request.future, outcome)
-    except RuntimeError:
-        pass  # the caller's loop is closed: nobody is waiting any more
 
 
 def _settle(future: asyncio.Future[Generation], outcome: Generation | BaseException) -> None:

@@ -21,7 +21,7 @@ from pydantic import BaseModel, Field, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from tracerl.gateway.chat import ChatRequest, CompletionRequest, wire_message
-from tracerl.gateway.core import Choice, Gateway, GatewayError, Served, invalid
+from tracerl.gateway.core import Choice, Gateway, GatewayError, Served, decode, invalid
 from tracerl.store import LeaseLost, NotFound
 from tracerl.store.http import install_error_handlers, store_router
 from tracerl.types import Reward
@@ -162,7 +162,7 @@ def _token_logprobs(served: Served, c: Choice) -> list[dict[str, Any]]:
     out = []
     for tid, lp in zip(c.gen.completion_ids, c.gen.logprobs, strict=True):
         token = served.tokenizer.convert_ids_to_tokens(tid)
-        text = served.tokenizer.decode([tid])
+        text = decode(served.tokenizer, [tid], skip_special=False)
         out.append(
             {
                 "token": token,
@@ -230,10 +230,11 @@ def _pieces(served: Served, c: Choice) -> list[str]:
         return []
     if c.reply.tool_calls or c.text.strip() != c.reply.content:
         return [c.reply.content]
-    pieces, before = [], ""
+    pieces: list[str] = []
+    before = ""
     ids = c.gen.completion_ids
     for i in range(1, len(ids) + 1):
-        now = served.tokenizer.decode(ids[:i], skip_special_tokens=True)
+        now = decode(served.tokenizer, ids[:i], skip_special=True)
         if now.startswith(before) and len(now) > len(before):
             pieces.append(now[len(before) :])
             before = now

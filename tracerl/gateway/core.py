@@ -86,7 +86,7 @@ class ServedModel:
 
     def text(self, gen: Generation) -> str:
         """The completion's text as the agent sees it (no end token, no stop string)."""
-        text = self.tokenizer.decode(gen.completion_ids, skip_special_tokens=False)
+        text = decode(self.tokenizer, gen.completion_ids, skip_special=False)
         if gen.stop_string:
             at = text.find(gen.stop_string)
             text = text[:at] if at >= 0 else text
@@ -358,6 +358,13 @@ class Gateway:
             del self._histories[key]
         for skey in [k for k in self._seq if k[0] == rollout_id]:
             del self._seq[skey]
+
+
+def decode(tokenizer: PreTrainedTokenizerBase, ids: list[int], skip_special: bool) -> str:
+    """Text of ids (the tokenizer's stubs allow a list; one sequence gives a string)."""
+    text = tokenizer.decode(ids, skip_special_tokens=skip_special)
+    assert isinstance(text, str)
+    return text
 
 
 def _end(gen: Generation) -> str:

@@ -12,6 +12,7 @@ does not hold, the whole prompt is tokenized afresh and the reason is recorded o
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 from transformers import PreTrainedTokenizerBase
 
@@ -54,6 +55,18 @@ class Prompt:
     """Why reuse failed, when there was a previous call to reuse."""
 
 
+def _compile(tokenizer: PreTrainedTokenizerBase) -> Any:
+    """The tokenizer's chat template compiled by transformers' own (cached) compiler."""
+    template = tokenizer.chat_template
+    if not isinstance(template, str):
+        return None
+    try:
+        from transformers.utils.chat_template_utils import _compile_jinja_template
+    except ImportError:  # a transformers without it: fall back to apply_chat_template
+        return None
+    return _compile_jinja_template(template)
+
+
 class PromptBuilder:
     """Renders chat requests to ids with one tokenizer, reusing earlier ids when it can."""
 
@@ -63,12 +76,27 @@ class PromptBuilder:
         if not isinstance(eos, str):
             raise ValueError("the tokenizer needs an eos token to close assistant turns")
         self.eos_text: str = eos
-        self.eos_id: int = int(tokenizer.convert_tokens_to_ids(eos))
+        eos_id = tokenizer.convert_tokens_to_ids(eos)
+        assert isinstance(eos_id, int)
+        self.eos_id: int = eos_id
+        self._compiled = _compile(tokenizer)
+        self._specials = {
+            k: v for k, v in tokenizer.special_tokens_map.items() if isinstance(v, str)
+        }
 
     def render(self, messages: list[Message], tools: list[dict] | None, gen: bool) -> str:
         """The chat template's text for messages (with the assistant header when gen)."""
+        if self._compiled is not None:
+            # Canonical messages are plain JSON already, so the template is rendered
+            # directly: apply_chat_template's defensive copies cost as much as the render.
+            return self._compiled.render(
+                messages=messages, tools=tools, add_generation_prompt=gen, **self._specials
+            )
         text = self.tokenizer.apply_chat_template(
-            messages, tools=tools, add_generation_prompt=gen, tokenize=False
+            messages,  # type: ignore[arg-type]
+            tools=tools,  # type: ignore[arg-type]
+            add_generation_prompt=gen,
+            tokenize=False,
         )
         assert isinstance(text, str)
         return text

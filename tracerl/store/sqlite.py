@@ -16,11 +16,11 @@ import uuid
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import orjson
 
-from tracerl.store import Conflict, InvalidTransition, LeaseLost, NotFound
+from tracerl.store import Conflict, InvalidTransition, LeaseLost, NotFound, Store
 from tracerl.store.packing import pack_floats, pack_ids, unpack_floats, unpack_ids
 from tracerl.types import (
     FINISHED,
@@ -45,7 +45,7 @@ CREATE TABLE IF NOT EXISTS rollouts (
     lease_expires_at REAL, created_at REAL NOT NULL, started_at REAL, finished_at REAL,
     answer TEXT, reward REAL, error TEXT);
 CREATE INDEX IF NOT EXISTS rollouts_claim ON rollouts (status, created_at);
-CREATE INDEX IF NOT EXISTS rollouts_lease ON rollouts (lease_expires_at) WHERE status = 'running';
+CREATE INDEX IF NOT EXISTS rollouts_lease ON rollouts (status, lease_expires_at);
 CREATE INDEX IF NOT EXISTS rollouts_group ON rollouts (group_id);
 CREATE INDEX IF NOT EXISTS rollouts_task ON rollouts (task_id);
 CREATE TABLE IF NOT EXISTS spans (
@@ -138,10 +138,11 @@ class SqliteStore:
             self._db.execute("BEGIN IMMEDIATE")
             try:
                 yield self._db
+                self._db.execute("COMMIT")
             except BaseException:
-                self._db.execute("ROLLBACK")
+                if self._db.in_transaction:
+                    self._db.execute("ROLLBACK")
                 raise
-            self._db.execute("COMMIT")
 
     def _get(self, db: sqlite3.Connection, rollout_id: str) -> Rollout:
         row = db.execute(f"{_SELECT_ROLLOUT} WHERE id = ?", (rollout_id,)).fetchone()
@@ -315,18 +316,14 @@ class SqliteStore:
         ).fetchall()
         out = []
         for r in map(_rollout, rows):
-            lease = {"runner_id": None, "lease_expires_at": None}
-            if r.attempt < r.max_attempts:
-                out.append(
-                    self._transition(db, r, RolloutStatus.queued, error="lease expired", **lease)
-                )
-            else:
-                why = f"lease expired after {r.attempt} attempts"
-                out.append(
-                    self._transition(
-                        db, r, RolloutStatus.timed_out, error=why, finished_at=now, **lease
-                    )
-                )
+            changes: dict[str, object] = {"error": "lease expired"}
+            to = RolloutStatus.queued
+            if r.attempt >= r.max_attempts:
+                changes = {"error": f"lease expired after {r.attempt} attempts", "finished_at": now}
+                to = RolloutStatus.timed_out
+            out.append(
+                self._transition(db, r, to, runner_id=None, lease_expires_at=None, **changes)
+            )
         return out
 
     def rollouts(
@@ -435,3 +432,7 @@ def _task(row: Sequence[object]) -> Task:
         answer=orjson.loads(answer_json),  # type: ignore[arg-type]
         split=split,  # type: ignore[arg-type]
     )
+
+
+if TYPE_CHECKING:  # mypy checks every signature against the Store protocol
+    _: Store = SqliteStore()

@@ -85,8 +85,9 @@ def token_logprobs(
     targets_BT1 = input_ids_BT[:, 1:].unsqueeze(-1)
     parts = [logits_BTV.new_zeros(B, 1, dtype=torch.float32)]
     for s in range(0, T - 1, chunk_size):
-        x_BCV = logits_BTV[:, s : s + chunk_size].float() / temp
-        picked_BC = x_BCV.gather(-1, targets_BT1[:, s : s + chunk_size]).squeeze(-1)
+        e = min(s + chunk_size, T - 1)  # the last position predicts nothing
+        x_BCV = logits_BTV[:, s:e].float() / temp
+        picked_BC = x_BCV.gather(-1, targets_BT1[:, s:e]).squeeze(-1)
         parts.append(picked_BC - torch.logsumexp(x_BCV, dim=-1))
     return torch.cat(parts, dim=1)
 
@@ -100,9 +101,10 @@ def loss_weights(
     each row counts by its weight whatever its length. A trainer that accumulates over
     micro-batches sums W over all of them and passes that as `denominator`.
     """
-    W_BT = mask_BT.float() if weight_BT is None else weight_BT.float() * mask_BT.float()
+    m_BT = mask_BT.to(torch.promote_types(mask_BT.dtype, torch.float32))
+    W_BT = m_BT if weight_BT is None else weight_BT * m_BT
     if aggregation == "sequence":
-        W_BT = W_BT / mask_BT.float().sum(dim=1, keepdim=True).clamp(min=1.0)
+        W_BT = W_BT / m_BT.sum(dim=1, keepdim=True).clamp(min=1.0)
     return W_BT
 
 
@@ -126,7 +128,7 @@ def policy_loss(
       ratio_t = exp(logp - proximal)
       surr_t  = -min(ratio * A, clip(ratio, 1 - clip_low, 1 + clip_high) * A)
       tis_t   = min(exp(proximal - behaviour), tis_cap)            (detached)
-      l_t     = tis_t * surr_t + kl_coef * k3(ref || logp)
+      l_t     = tis_t * surr_t + kl_coef * k3 estimate of KL(current || ref)
       loss    = sum(W * l) / denominator,  W = loss_weights(mask, weight, aggregation)
     `denominator` defaults to sum(W) of this batch; pass the sum over all micro-batches of
     one optimizer step (or a constant) to accumulate gradients across micro-batches.

@@ -1,0 +1,249 @@
+"""What the gateway itself costs per call.
+
+Two servers, each in its own process, answer the same chat completion with the same bytes:
+a bare FastAPI endpoint returning a canned response, and the tracerl gateway over a stub
+engine that returns fixed tokens instantly — so the difference is the gateway's own work:
+request validation, chat templating, tokenization, token-in/token-out bookkeeping, tool-call
+parsing and recording the span in a SQLite file store. Calls are made by httpx (a light
+client, so the client is not what is measured), sequentially and from 32 concurrent clients.
+Every gateway call belongs to a running rollout and every second call extends the first
+(tool result appended), as an agent's would.
+
+Last line: JSON with p50_overhead_ms, p99_overhead_ms and req_per_s (gateway, concurrent).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "examples" / "calculator"))
+
+from agent import SYSTEM_PROMPT, TOOLS  # noqa: E402
+
+REPLY = '<tool_call>{"name": "calculator", "arguments": {"expression": "37+48"}}</tool_call>'
+FIRST = [
+    {"role": "system", "content": SYSTEM_PROMPT},
+    {"role": "user", "content": "What is 37+48?"},
+]
+
+
+def build_model(path: Path) -> None:
+    """A tiny model directory (only its tokenizer and template matter here)."""
+    from expert import demonstrations
+
+    from tracerl.models.template import render_chat
+    from tracerl.models.tiny import TinyModelConfig, build_tiny_model
+
+    texts = [render_chat(d["messages"], d["tools"]) for d in demonstrations(300, seed=7)]
+    build_tiny_model(path, texts, TinyModelConfig(hidden_size=32, num_layers=1))
+
+
+def serve(kind: str, model: str, port: int, store_path: str) -> None:
+    """Run one of the two servers in this process."""
+    import uvicorn
+    from fastapi import FastAPI
+    from fastapi.responses import Response
+    from transformers import AutoTokenizer
+
+    from tracerl.engines.stub import StubEngine
+    from tracerl.gateway import Gateway, ServedModel, create_app
+    from tracerl.store.sqlite import SqliteStore
+
+    tok = AutoTokenizer.from_pretrained(model)
+    ids = [*tok.encode(REPLY, add_special_tokens=False), tok.eos_token_id]
+    if kind == "bare":
+        app = FastAPI()
+        body = Path(store_path).read_bytes()  # a response the gateway produced, verbatim
+
+        @app.post("/v1/chat/completions")
+        async def bare() -> Response:
+            return Response(body, media_type="application/json")
+
+    else:
+        store = SqliteStore(store_path)
+        engine = StubEngine(ids, eos_token_ids=[tok.eos_token_id], max_context=512)
+        app = create_app(Gateway(store, {"policy": ServedModel("policy", engine, tok)}))
+    uvicorn.run(app, host="127.0.0.1", port=port, log_level="error", access_log=False)
+
+
+def start(kind: str, model: Path, port: int, extra: Path) -> subprocess.Popen[bytes]:
+    cmd = [sys.executable, __file__, "--serve", kind, "--model", str(model), "--port", str(port)]
+    proc = subprocess.Popen([*cmd, "--store", str(extra)])
+    for _ in range(300):
+        try:
+            httpx.get(f"http://127.0.0.1:{port}/health", timeout=0.5)
+            return proc
+        except httpx.TransportError:
+            time.sleep(0.1)
+    raise RuntimeError(f"{kind} server did not start")
+
+
+def second_turn(first_reply: dict) -> list[dict]:
+    msg = first_reply["choices"][0]["message"]
+    call_id = msg["tool_calls"][0]["id"]
+    return [*FIRST, msg, {"role": "tool", "tool_call_id": call_id, "content": "85"}]
+
+
+def sequential(url: str, rollouts: list[str], bodies: dict) -> list[float]:
+    """Latency of each call, one at a time (two calls per rollout)."""
+    times = []
+    with httpx.Client(timeout=30) as client:
+        for rid in rollouts:
+            path = (
+                f"{url}/rollouts/{rid}/v1/chat/completions" if rid else f"{url}/v1/chat/completions"
+            )
+            t0 = time.perf_counter()
+            first = client.post(path, json={**bodies, "messages": FIRST}).json()
+            times.append(time.perf_counter() - t0)
+            t0 = time.perf_counter()
+            client.post(path, json={**bodies, "messages": second_turn(first)}).raise_for_status()
+            times.append(time.perf_counter() - t0)
+    return times
+
+
+async def concurrent(url: str, rollouts: list[str], bodies: dict, clients: int) -> float:
+    """Requests per second with `clients` concurrent callers."""
+    queue: asyncio.Queue[str] = asyncio.Queue()
+    for rid in rollouts:
+        queue.put_nowait(rid)
+
+    async def worker(client: httpx.AsyncClient) -> int:
+        done = 0
+        while not queue.empty():
+            rid = queue.get_nowait()
+            path = (
+                f"{url}/rollouts/{rid}/v1/chat/completions" if rid else f"{url}/v1/chat/completions"
+            )
+            first = (await client.post(path, json={**bodies, "messages": FIRST})).json()
+            r = await client.post(path, json={**bodies, "messages": second_turn(first)})
+            r.raise_for_status()
+            done += 2
+        return done
+
+    limits = httpx.Limits(max_connections=clients, max_keepalive_connections=clients)
+    async with httpx.AsyncClient(timeout=30, limits=limits) as client:
+        t0 = time.perf_counter()
+        done = sum(await asyncio.gather(*(worker(client) for _ in range(clients))))
+        return done / (time.perf_counter() - t0)
+
+
+def running_rollouts(url: str, n: int, tag: str) -> list[str]:
+    from tracerl.store.http import StoreClient
+    from tracerl.types import Task
+
+    store = StoreClient(f"{url}/store")
+    store.add_tasks([Task(id=f"{tag}-{i}", input={"q": i}) for i in range(n)])
+    store.enqueue([f"{tag}-{i}" for i in range(n)])
+    claimed = []
+    while len(claimed) < n:
+        claimed += store.claim("bench", min(256, n - len(claimed)), 3600.0)
+    return [r.id for r in claimed]
+
+
+def pct(xs: list[float], q: float) -> float:
+    return sorted(xs)[min(len(xs) - 1, int(q * len(xs)))] * 1000
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--serve", choices=["bare", "gateway"])
+    p.add_argument("--model", default="")
+    p.add_argument("--port", type=int, default=0)
+    p.add_argument("--store", default="")
+    p.add_argument("--calls", type=int, default=1000, help="sequential calls per server")
+    p.add_argument("--concurrent-calls", type=int, default=4000)
+    p.add_argument("--clients", type=int, default=32)
+    args = p.parse_args()
+    if args.serve:
+        serve(args.serve, args.model, args.port, args.store)
+        return
+    from tracerl.server import free_port
+
+    tmp = Path(tempfile.mkdtemp())
+    model = tmp / "model"
+    build_model(model)
+    body = {"model": "policy", "tools": TOOLS, "max_tokens": 48}
+    results = {}
+    gport = free_port()
+    gateway = start("gateway", model, gport, tmp / "traces.db")
+    gurl = f"http://127.0.0.1:{gport}"
+    try:
+        canned = httpx.post(f"{gurl}/v1/chat/completions", json={**body, "messages": FIRST})
+        (tmp / "canned.json").write_bytes(canned.content)
+        sequential(gurl, running_rollouts(gurl, 50, "warm"), body)  # warm up
+        results["gateway_seq"] = sequential(
+            gurl, running_rollouts(gurl, args.calls // 2, "s"), body
+        )
+        rids = running_rollouts(gurl, args.concurrent_calls // 2, "c")
+        results["gateway_rps"] = asyncio.run(concurrent(gurl, rids, body, args.clients))
+    finally:
+        gateway.terminate()
+        gateway.wait()
+    bport = free_port()
+    bare = start("bare", model, bport, tmp / "canned.json")
+    burl = f"http://127.0.0.1:{bport}"
+    try:
+        nones = [""] * (args.calls // 2)
+        bare_body = {**body, "messages": FIRST}
+        _bare_seq(burl, 100, bare_body)
+        results["bare_seq"] = _bare_seq(burl, args.calls, bare_body)
+        results["bare_rps"] = asyncio.run(
+            _bare_rps(burl, args.concurrent_calls, bare_body, args.clients)
+        )
+        del nones
+    finally:
+        bare.terminate()
+        bare.wait()
+    g, b = results["gateway_seq"], results["bare_seq"]
+    print(f"{'':10}{'p50 ms':>10}{'p99 ms':>10}{'req/s (32 clients)':>22}")
+    print(f"{'bare':10}{pct(b, 0.5):10.3f}{pct(b, 0.99):10.3f}{results['bare_rps']:22.0f}")
+    print(f"{'gateway':10}{pct(g, 0.5):10.3f}{pct(g, 0.99):10.3f}{results['gateway_rps']:22.0f}")
+    out = {
+        "p50_overhead_ms": round(pct(g, 0.5) - pct(b, 0.5), 3),
+        "p99_overhead_ms": round(pct(g, 0.99) - pct(b, 0.99), 3),
+        "req_per_s": round(results["gateway_rps"], 1),
+        "bare_req_per_s": round(results["bare_rps"], 1),
+        "gateway_p50_ms": round(pct(g, 0.5), 3),
+        "bare_p50_ms": round(pct(b, 0.5), 3),
+        "cpus": os.cpu_count(),
+    }
+    print(json.dumps(out))
+
+
+def _bare_seq(url: str, n: int, body: dict) -> list[float]:
+    times = []
+    with httpx.Client(timeout=30) as client:
+        for _ in range(n):
+            t0 = time.perf_counter()
+            client.post(f"{url}/v1/chat/completions", json=body).raise_for_status()
+            times.append(time.perf_counter() - t0)
+    return times
+
+
+async def _bare_rps(url: str, n: int, body: dict, clients: int) -> float:
+    sem = asyncio.Semaphore(clients)
+    limits = httpx.Limits(max_connections=clients, max_keepalive_connections=clients)
+    async with httpx.AsyncClient(timeout=30, limits=limits) as client:
+
+        async def one() -> None:
+            async with sem:
+                (await client.post(f"{url}/v1/chat/completions", json=body)).raise_for_status()
+
+        t0 = time.perf_counter()
+        await asyncio.gather(*(one() for _ in range(n)))
+        return n / (time.perf_counter() - t0)
+
+
+if __name__ == "__main__":
+    main()

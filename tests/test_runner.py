@@ -1,0 +1,134 @@
+"""The runner pool: rewards, agent failures and hangs, and a runner killed mid-rollout."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+from transformers import AutoTokenizer
+
+from tracerl.gateway import Gateway, ServedModel, create_app
+from tracerl.runner import Runner, RunnerConfig, load_agent
+from tracerl.server import BackgroundServer, serve_in_thread
+from tracerl.store.sqlite import SqliteStore
+from tracerl.types import RolloutStatus, Task
+
+from .scripted import ScriptedEngine
+
+ROOT = Path(__file__).resolve().parents[1]
+AGENT = str(ROOT / "tests" / "agents" / "slow_agent.py")
+REWARD = str(ROOT / "examples" / "calculator" / "reward.py") + ":reward"
+
+
+@pytest.fixture
+def stack(tiny_model_dir: Path, tmp_path: Path) -> Iterator[tuple[BackgroundServer, SqliteStore]]:
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    store = SqliteStore(tmp_path / "traces.db")
+    gateway = Gateway(
+        store, {"policy": ServedModel("policy", ScriptedEngine(tokenizer), tokenizer)}
+    )
+    server = serve_in_thread(create_app(gateway))
+    yield server, store
+    server.stop()
+    store.close()
+
+
+def _tasks(store: SqliteStore, n: int) -> list[str]:
+    tasks = [Task(id=f"t{i}", input={"question": "What is 37+48?"}, answer=85) for i in range(n)]
+    store.add_tasks(tasks)
+    return [r.id for r in store.enqueue([t.id for t in tasks])]
+
+
+def _run(store: SqliteStore, url: str, spec: str, cfg: RunnerConfig) -> Runner:
+    from tracerl.runner import load_callable
+
+    with ThreadPoolExecutor(8) as threads:
+        runner = Runner(store, url, load_agent(spec, threads), load_callable(REWARD), cfg)
+        asyncio.run(runner.run(until_idle=True))
+    return runner
+
+
+def test_rollouts_get_rewards_and_spans(stack) -> None:  # type: ignore[no-untyped-def]
+    server, store = stack
+    ids = _tasks(store, 6)
+    runner = _run(store, server.url, f"{AGENT}:run", RunnerConfig(concurrency=3))
+    assert runner.finished == 6
+    for rid in ids:
+        r = store.get_rollout(rid)
+        assert r.status == RolloutStatus.succeeded and r.reward == 1.0 and r.answer == "85"
+        assert [s.seq for s in store.spans(rid)] == [0, 1]
+
+
+def test_agent_errors_and_hangs_do_not_stop_the_pool(stack) -> None:  # type: ignore[no-untyped-def]
+    server, store = stack
+    _tasks(store, 2)
+    _run(store, server.url, f"{AGENT}:crash", RunnerConfig(concurrency=2))
+    failed = store.rollouts(status=RolloutStatus.failed)
+    assert len(failed) == 2 and all("the agent broke" in (r.error or "") for r in failed)
+    _tasks_more = [Task(id="h", input={"question": "?"}, answer=1)]
+    store.add_tasks(_tasks_more)
+    store.enqueue(["h", "t0"])
+    _run(store, server.url, f"{AGENT}:hang", RunnerConfig(concurrency=2, timeout_s=0.5))
+    timed_out = store.rollouts(status=RolloutStatus.timed_out)
+    assert len(timed_out) == 2 and all("timed out" in (r.error or "") for r in timed_out)
+
+
+def test_command_agent(stack, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    server, store = stack
+    ids = _tasks(store, 2)
+    spec = f"cmd:{sys.executable} {ROOT / 'examples' / 'calculator' / 'agent.py'}"
+    _run(store, server.url, spec, RunnerConfig(concurrency=2))
+    for rid in ids:
+        r = store.get_rollout(rid)
+        assert r.status == RolloutStatus.succeeded and r.answer == "85" and r.reward == 1.0
+        assert len(store.spans(rid)) == 2
+
+
+def _runner_process(url: str, env: dict[str, str]) -> subprocess.Popen[bytes]:
+    cmd = [
+        sys.executable,
+        "-m",
+        "tracerl.cli",
+        "runner",
+        f"{AGENT}:run",
+        "--url",
+        url,
+        "--reward",
+        REWARD,
+        "--runner.lease_s",
+        "1.5",
+        "--runner.concurrency",
+        "4",
+    ]
+    return subprocess.Popen(cmd, env={**os.environ, **env}, cwd=ROOT)
+
+
+def test_killed_runner_rollouts_are_requeued_and_finished_once(stack) -> None:  # type: ignore[no-untyped-def]
+    server, store = stack
+    ids = _tasks(store, 4)
+    doomed = _runner_process(server.url, {"SLOW_AGENT_SLEEP": "30"})
+    deadline = time.monotonic() + 60
+    while sum(len(store.spans(rid)) for rid in ids) < 4:  # every rollout is mid-flight
+        assert time.monotonic() < deadline and doomed.poll() is None
+        time.sleep(0.1)
+    doomed.send_signal(signal.SIGKILL)
+    doomed.wait()
+    assert len(store.rollouts(status=RolloutStatus.running)) == 4
+    rescuer = _runner_process(server.url, {"SLOW_AGENT_SLEEP": "0"})
+    assert rescuer.wait(timeout=120) == 0
+    for rid in ids:
+        r = store.get_rollout(rid)
+        assert r.status == RolloutStatus.succeeded and r.attempt == 2 and r.reward == 1.0
+        assert [s.attempt for s in store.spans(rid)] == [2, 2]
+        assert [s.seq for s in store.spans(rid)] == [0, 1]
+        assert len(store.spans(rid, attempt=1)) == 1  # the dead attempt's call, kept apart
+        assert len([w for w in store.rewards(rid) if w.span_seq is None]) == 1
+    assert store.counts().get("succeeded") == 4
