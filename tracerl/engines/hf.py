@@ -17,7 +17,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import copy
-import dataclasses
 import queue
 import threading
 from dataclasses import dataclass, field
@@ -43,9 +42,9 @@ __all__ = ["EngineStats", "HFEngine"]
 
 
 class EngineStats(BaseModel):
-    """A snapshot of what an HFEngine has done since it started."""
+    """What an HFEngine has done since it started; `HFEngine.stats` hands out copies."""
 
-    model_config = ConfigDict(frozen=True, extra="forbid")
+    model_config = ConfigDict(extra="forbid")
 
     batches: int = 0
     """Prefill forward passes; each admits every request waiting at that moment."""
@@ -61,19 +60,6 @@ class EngineStats(BaseModel):
     """Rows in the running batch now."""
     weight_swaps: int = 0
     """Times new weights were switched in."""
-
-
-@dataclass
-class _Counters:
-    """EngineStats' mutable twin, written only by the worker thread."""
-
-    batches: int = 0
-    decode_steps: int = 0
-    requests: int = 0
-    tokens: int = 0
-    peak_rows: int = 0
-    running_rows: int = 0
-    weight_swaps: int = 0
 
 
 @dataclass
@@ -158,7 +144,7 @@ class HFEngine:
         self._batch: _Batch | None = None
         self._pending: tuple[PreTrainedModel, int] | None = None
         self._lock = threading.Lock()
-        self._counters = _Counters()
+        self._counters = EngineStats()  # written by the worker only
         self._outbox: list[tuple[_Request, Generation | BaseException]] = []
         self._closed = False
         self._thread = threading.Thread(target=self._run, name="hf-engine", daemon=True)
@@ -173,8 +159,8 @@ class HFEngine:
 
     @property
     def stats(self) -> EngineStats:
-        """What the engine has done so far."""
-        return EngineStats(**dataclasses.asdict(self._counters))
+        """A snapshot of what the engine has done so far."""
+        return self._counters.model_copy()
 
     async def generate(self, prompt_ids: list[int], params: SamplingParams) -> Generation:
         """Sample one completion; concurrent calls share forward passes."""
@@ -185,7 +171,11 @@ class HFEngine:
         return await future
 
     def load_weights(self, path: str | Path, version: int) -> None:
-        """Serve the HF model dir `path` as `version` once the running batch has drained."""
+        """Serve the HF model dir `path` as `version` once the running batch has drained.
+
+        Blocks while it reads the weights; a busy server may run it in a thread
+        (`await asyncio.to_thread(engine.load_weights, path, version)`).
+        """
         self._stage(self._load_model(path), version)
 
     def load_state_dict(self, state_dict: dict[str, torch.Tensor], version: int) -> None:
@@ -363,7 +353,7 @@ class HFEngine:
             rows=rows,
             cache=cache,
             mask_BL=mask_BL,
-            next_B=ids_BL[:, -1],
+            next_B=ids_BL[:, -1],  # replaced by the first sampled tokens just below
             pos_B=mask_BL.sum(-1),
             joinable=_joinable(cache),
         )

@@ -1,0 +1,77 @@
+"""Where a run's numbers go: metrics.jsonl, TensorBoard event files, and plots.
+
+One `MetricsLog` per run; every `log(step, values)` appends a JSON line (so nothing is lost
+if the process dies) and writes the scalars to TensorBoard. `plot_rewards` draws the train
+reward and held-out success curves from metrics.jsonl.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")  # files only; no display on servers
+import matplotlib.pyplot as plt  # noqa: E402
+
+
+class MetricsLog:
+    """Appends metrics to <run>/metrics.jsonl and to TensorBoard under <run>/tb."""
+
+    def __init__(self, run_dir: Path, tensorboard: bool = True) -> None:
+        self.path = run_dir / "metrics.jsonl"
+        self.writer = None
+        if tensorboard:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self.writer = SummaryWriter(str(run_dir / "tb"))
+
+    def log(self, step: int, values: dict[str, float | int | str | None]) -> None:
+        """Record one step's values (non-numbers go to the JSON line only)."""
+        with self.path.open("a") as f:
+            f.write(json.dumps({"step": step, **values}) + "\n")
+        if self.writer is None:
+            return
+        for key, value in values.items():
+            if isinstance(value, int | float) and not isinstance(value, bool):
+                self.writer.add_scalar(key, value, step)
+        self.writer.flush()
+
+    def close(self) -> None:
+        """Flush and close the TensorBoard writer."""
+        if self.writer is not None:
+            self.writer.close()
+
+
+def read_metrics(path: Path) -> list[dict]:
+    """The JSON lines of a metrics file (a torn last line from a crash is skipped)."""
+    rows = []
+    for line in path.read_text().splitlines() if path.exists() else []:
+        try:
+            rows.append(json.loads(line))
+        except json.JSONDecodeError:
+            continue
+    return rows
+
+
+def plot_rewards(metrics_path: Path, out: Path, title: str = "") -> Path:
+    """reward.png: train reward and held-out success against training step."""
+    rows = read_metrics(metrics_path)
+    train = [(r["step"], r["train/reward"]) for r in rows if "train/reward" in r]
+    evals = [(r["step"], r["eval/success"]) for r in rows if "eval/success" in r]
+    fig, ax = plt.subplots(figsize=(7, 4))
+    if train:
+        ax.plot(*zip(*train, strict=True), label="train reward (mean)", color="tab:blue")
+    if evals:
+        ax.plot(*zip(*evals, strict=True), "o-", label="held-out success", color="tab:orange")
+    ax.set_xlabel("training step")
+    ax.set_ylabel("reward / success")
+    ax.set_ylim(-0.02, 1.02)
+    ax.grid(alpha=0.3)
+    ax.legend(loc="lower right")
+    ax.set_title(title or metrics_path.parent.name)
+    fig.tight_layout()
+    fig.savefig(out, dpi=120)
+    plt.close(fig)
+    return out

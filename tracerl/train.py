@@ -1,0 +1,235 @@
+"""A training run, assembled: store + engine + gateway, runner, trainer, pipeline, outputs.
+
+`train(cfg)` evaluates the agent on held-out tasks, trains for cfg.pipeline.steps steps
+through the gateway (the agent code unchanged), evaluates again, and leaves in
+runs/<name>/: the resolved config, metrics.jsonl, TensorBoard events (tb/), checkpoints,
+the final model (model/), reward.png and summary.json.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+from pydantic import BaseModel, ConfigDict, Field
+from tqdm import tqdm
+
+from tracerl.evaluate import EvalReport, evaluate, load_tasks
+from tracerl.metrics import MetricsLog, plot_rewards
+from tracerl.pipeline import (
+    AlgorithmConfig,
+    Checkpoints,
+    Pipeline,
+    PipelineConfig,
+    StepReport,
+    make_source,
+)
+from tracerl.runner import AgentFn, RewardFn, RunnerConfig, load_agent, load_callable
+from tracerl.stack import EngineConfig, LocalStack, start_stack
+from tracerl.trainer.trainer import Trainer, TrainerConfig
+from tracerl.types import Task
+
+
+class TrainConfig(BaseModel):
+    """Everything a training run needs; saved as runs/<name>/config.json."""
+
+    model_config = ConfigDict(use_attribute_docstrings=True, extra="forbid")
+
+    name: str = "train"
+    """Run name: outputs go to <runs>/<name>/."""
+    runs: str = "runs"
+    """Folder holding runs."""
+    model: str = ""
+    """Local HF model directory to start from."""
+    agent: str = ""
+    """The agent: 'file.py:function', 'module:function', or 'cmd:<command line>'."""
+    reward: str | None = None
+    """Reward function 'file.py:function' called as f(task, answer)."""
+    tasks: str = ""
+    """Task file (JSONL); its 'train' split is trained on."""
+    eval_tasks: str | None = None
+    """Held-out task file; default: the 'eval' split of `tasks`."""
+    eval_before: bool = True
+    """Evaluate on all held-out tasks before training."""
+    model_name: str = "policy"
+    """The model name the agent is told to use (the role)."""
+    pipeline: PipelineConfig = PipelineConfig()
+    """Scheduling."""
+    algorithm: AlgorithmConfig = AlgorithmConfig()
+    """Credit assignment."""
+    trainer: TrainerConfig = TrainerConfig()
+    """Policy update."""
+    runner: RunnerConfig = RunnerConfig()
+    """How rollouts are run."""
+    engine: EngineConfig = EngineConfig()
+    """How the policy is served."""
+    device: str = Field(default="cpu")
+    """torch device of the trainer."""
+
+    def check(self) -> None:
+        """Clear errors for missing essentials (they may come from a TOML file or flags)."""
+        for field in ("model", "agent", "tasks"):
+            if not getattr(self, field):
+                raise ValueError(f"train needs --{field} (or `{field} = ...` in the config file)")
+        if not Path(self.model).is_dir():
+            raise ValueError(f"--model {self.model}: not a local model directory")
+
+
+class TrainSummary(BaseModel):
+    """The before -> after of a run (runs/<name>/summary.json)."""
+
+    success_before: float | None
+    """Held-out success before training (None when skipped)."""
+    success_after: float
+    """Held-out success after training."""
+    steps: int
+    """Training steps done in total."""
+    rollouts_trained: int
+    """Rollouts trained on in total."""
+    wall_s: float
+    """Wall time of this invocation."""
+    run_dir: str
+    """Where the outputs are."""
+
+
+def split_tasks(cfg: TrainConfig) -> tuple[list[Task], list[Task]]:
+    """(train tasks, held-out tasks)."""
+    train = load_tasks(cfg.tasks, "train")
+    held_out = load_tasks(cfg.eval_tasks) if cfg.eval_tasks else load_tasks(cfg.tasks, "eval")
+    return train, held_out
+
+
+def train(
+    cfg: TrainConfig,
+    agent: AgentFn | None = None,
+    reward_fn: RewardFn | None = None,
+    tasks: tuple[list[Task], list[Task]] | None = None,
+    resume: bool = False,
+) -> TrainSummary:
+    """Run (or resume) a training run; agent/reward/tasks may be given as objects."""
+    started = time.perf_counter()
+    run_dir = Path(cfg.runs) / cfg.name
+    run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / "config.json").write_text(cfg.model_dump_json(indent=2))
+    train_tasks, held_out = tasks or split_tasks(cfg)
+    if reward_fn is None and cfg.reward:
+        reward_fn = load_callable(cfg.reward)
+    stack = start_stack(cfg.model, run_dir / "traces.db", cfg.engine, cfg.model_name)
+    log = MetricsLog(run_dir)
+    threads = ThreadPoolExecutor(cfg.runner.concurrency)
+    try:
+        agent = agent or load_agent(cfg.agent, threads)
+        return _run(
+            cfg, run_dir, stack, log, agent, reward_fn, train_tasks, held_out, resume, started
+        )
+    finally:
+        threads.shutdown(wait=False, cancel_futures=True)
+        log.close()
+        stack.close()
+
+
+def _run(
+    cfg: TrainConfig,
+    run_dir: Path,
+    stack: LocalStack,
+    log: MetricsLog,
+    agent: AgentFn,
+    reward_fn: RewardFn | None,
+    train_tasks: list[Task],
+    held_out: list[Task],
+    resume: bool,
+    started: float,
+) -> TrainSummary:
+    trainer_cfg = cfg.trainer
+    trainer = Trainer(cfg.model, trainer_cfg, cfg.device)
+    runner_cfg = cfg.runner.model_copy(update={"model": cfg.model_name})
+    source = make_source(
+        cfg.name, stack.store, stack.url, agent, reward_fn, train_tasks, cfg.pipeline, runner_cfg
+    )
+    pipeline = Pipeline(
+        source,
+        stack.store,
+        stack.engine,
+        trainer,
+        cfg.algorithm.build(),
+        Checkpoints(run_dir, cfg.pipeline.keep_checkpoints),
+        cfg.pipeline,
+        cfg.model_name,
+    )
+    if resume:
+        # The previous process's runners are dead: their leases will not be renewed.
+        stack.store.requeue_expired(now=float("inf"))
+        pipeline.resume()
+
+    def held_out_eval(tasks: list[Task], label: str) -> EvalReport:
+        return evaluate(stack.store, stack.url, agent, reward_fn, tasks, 1, runner_cfg, desc=label)
+
+    before = None
+    if cfg.eval_before and pipeline.step == 0:
+        before = held_out_eval(held_out, "eval before").success_rate
+        log.log(0, {"eval/success": before})
+    bar = tqdm(total=cfg.pipeline.steps, initial=pipeline.step, desc="train", unit="step")
+    while pipeline.step < cfg.pipeline.steps:
+        report = pipeline.run_step()
+        values = _step_values(report)
+        every = cfg.pipeline.eval_every
+        if every and report.step % every == 0 and report.step < cfg.pipeline.steps:
+            values["eval/success"] = held_out_eval(
+                held_out[: cfg.pipeline.eval_size], f"eval step {report.step}"
+            ).success_rate
+        log.log(report.step, values)
+        bar.update(1)
+        bar.set_postfix(
+            reward=f"{report.reward:.2f}",
+            success=f"{report.success:.2f}",
+            tok_s=f"{report.train.tokens_per_s:.0f}",
+        )
+        plot_rewards(log.path, run_dir / "reward.png", cfg.name)
+    bar.close()
+    after = held_out_eval(held_out, "eval after").success_rate
+    log.log(pipeline.step, {"eval/success": after, "eval/final": after})
+    plot_rewards(log.path, run_dir / "reward.png", cfg.name)
+    trainer.save_model(run_dir / "model")
+    stack.engine.tokenizer.save_pretrained(str(run_dir / "model"))  # type: ignore[attr-defined]
+    summary = TrainSummary(
+        success_before=before,
+        success_after=after,
+        steps=pipeline.step,
+        rollouts_trained=len(pipeline.trained),
+        wall_s=time.perf_counter() - started,
+        run_dir=str(run_dir),
+    )
+    (run_dir / "summary.json").write_text(summary.model_dump_json(indent=2))
+    return summary
+
+
+def _step_values(report: StepReport) -> dict[str, float | int | str | None]:
+    t = report.train
+    return {
+        "train/reward": report.reward,
+        "train/success": report.success,
+        "train/rollouts": report.rollouts,
+        "train/rows": report.rows,
+        "train/loss": t.loss,
+        "train/grad_norm": t.grad_norm,
+        "train/lr": t.lr,
+        "train/clip_fraction": t.clip_fraction,
+        "train/tis_ratio_mean": t.tis_ratio_mean,
+        "train/tis_ratio_max": t.tis_ratio_max,
+        "train/tis_capped_fraction": t.tis_capped_fraction,
+        "train/kl_behaviour": t.kl_behaviour,
+        "train/tokens": t.tokens,
+        "train/tokens_per_s": t.tokens_per_s,
+        "time/generate_s": report.generate_s,
+        "time/train_s": t.wall_s,
+    }
+
+
+def load_run_config(run_dir: str | Path) -> TrainConfig:
+    """The resolved config a run saved."""
+    path = Path(run_dir) / "config.json"
+    if not path.exists():
+        raise ValueError(f"{run_dir} is not a run directory (no config.json)")
+    return TrainConfig.model_validate(json.loads(path.read_text()))

@@ -1,0 +1,350 @@
+"""The trainer: turns credit-assigned rows into a policy update, algorithm-blind.
+
+It packs rows into micro-batches by token budget, recomputes log-probs under the current
+weights, and minimises the PPO-clip surrogate with truncated importance sampling against the
+behaviour log-probs the engine recorded (tracerl.trainer.loss). Full fine-tuning or LoRA
+(peft); AdamW, gradient clipping, a warmup + constant/cosine schedule; bf16 autocast on CPUs
+that have it. The trainer never looks at rewards or groups: advantages and weights arrive
+written on the rows.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+import time
+from pathlib import Path
+from typing import Literal
+
+import numpy as np
+import torch
+from pydantic import BaseModel, ConfigDict, Field
+from transformers import AutoModelForCausalLM, PreTrainedModel
+
+from tracerl.trainer.loss import LossConfig, LossMetrics, loss_weights, policy_loss, token_logprobs
+from tracerl.trainer.packing import MicroBatch, pack
+from tracerl.types import Transition
+
+
+class LoraSettings(BaseModel):
+    """A LoRA adapter instead of full fine-tuning."""
+
+    model_config = ConfigDict(use_attribute_docstrings=True, extra="forbid")
+
+    r: int = Field(default=16, ge=1)
+    """Adapter rank."""
+    alpha: int = 32
+    """Scaling numerator (scale = alpha / r)."""
+    dropout: float = 0.0
+    """Dropout on the adapter input."""
+    target_modules: list[str] = [
+        "q_proj",
+        "k_proj",
+        "v_proj",
+        "o_proj",
+        "gate_proj",
+        "up_proj",
+        "down_proj",
+    ]
+    """Module names that get adapters."""
+
+
+class TrainerConfig(BaseModel):
+    """How the policy is updated from a batch of rows."""
+
+    model_config = ConfigDict(use_attribute_docstrings=True, extra="forbid")
+
+    lr: float = Field(default=1e-4, gt=0)
+    """Peak learning rate (AdamW)."""
+    weight_decay: float = Field(default=0.0, ge=0)
+    """AdamW decoupled weight decay."""
+    beta1: float = 0.9
+    """AdamW beta1."""
+    beta2: float = 0.99
+    """AdamW beta2."""
+    grad_clip: float = Field(default=1.0, gt=0)
+    """Max global gradient norm."""
+    warmup_steps: int = Field(default=0, ge=0)
+    """Optimizer steps of linear warmup."""
+    schedule: Literal["constant", "cosine"] = "constant"
+    """Learning rate after warmup: constant, or cosine decay to 10% over total_steps."""
+    total_steps: int = Field(default=1000, ge=1)
+    """Optimizer steps the cosine schedule spans."""
+    minibatches: int = Field(default=1, ge=1)
+    """Optimizer steps per batch of rows (PPO mini-batches; >1 makes clipping bite)."""
+    epochs: int = Field(default=1, ge=1)
+    """Passes over each batch."""
+    micro_batch_tokens: int = Field(default=8192, ge=64)
+    """Padded tokens per forward/backward micro-batch (gradients accumulate across them)."""
+    bf16: bool = True
+    """bf16 autocast for forward/backward on CPU or GPU; weights and log-probs stay fp32."""
+    lora: LoraSettings | None = None
+    """Train a LoRA adapter instead of all weights."""
+    loss: LossConfig = LossConfig()
+    """The policy loss."""
+    seed: int = 0
+    """Seed of mini-batch shuffling."""
+
+
+class TrainMetrics(BaseModel):
+    """What one call of `Trainer.train` did."""
+
+    loss: float
+    """Mean loss over optimizer steps."""
+    grad_norm: float
+    """Mean pre-clip gradient norm."""
+    lr: float
+    """Learning rate of the last optimizer step."""
+    tokens: int
+    """Tokens forwarded (padding excluded), per pass."""
+    trained_tokens: int
+    """Sampled tokens that carry loss."""
+    optimizer_steps: int
+    """Optimizer steps taken."""
+    wall_s: float
+    """Wall time of the update."""
+    tokens_per_s: float
+    """Forward+backward tokens per second."""
+    clip_fraction: float
+    """Share of tokens where the PPO clip was active."""
+    tis_ratio_mean: float
+    """Mean behaviour->proximal importance ratio before the cap."""
+    tis_ratio_max: float
+    """Largest behaviour->proximal importance ratio."""
+    tis_capped_fraction: float
+    """Share of tokens whose importance weight was capped."""
+    kl_behaviour: float
+    """KL(behaviour || current) estimate (k3)."""
+
+
+class Trainer:
+    """Holds the trainable policy and its optimizer; `train(rows)` is one update."""
+
+    def __init__(self, model_dir: str | Path, cfg: TrainerConfig, device: str = "cpu") -> None:
+        self.cfg = cfg
+        self.device = torch.device(device)
+        self.model_dir = str(model_dir)
+        base = AutoModelForCausalLM.from_pretrained(self.model_dir, dtype=torch.float32)
+        self.model: PreTrainedModel = _with_lora(base, cfg.lora)
+        self.model.to(self.device)  # type: ignore[arg-type]
+        self.model.train()
+        params = [p for p in self.model.parameters() if p.requires_grad]
+        self.optimizer = torch.optim.AdamW(
+            params, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), weight_decay=cfg.weight_decay
+        )
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, self._lr_factor)
+        self.version = 0
+        self._rng = random.Random(cfg.seed)
+
+    def _lr_factor(self, step: int) -> float:
+        if step < self.cfg.warmup_steps:
+            return (step + 1) / self.cfg.warmup_steps
+        if self.cfg.schedule == "constant":
+            return 1.0
+        progress = min(1.0, (step - self.cfg.warmup_steps) / max(1, self.cfg.total_steps))
+        return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress))
+
+    def train(self, rows: list[Transition]) -> TrainMetrics:
+        """One update: epochs x minibatches optimizer steps over `rows`; version += 1."""
+        if not rows:
+            raise ValueError("no rows to train on")
+        started = time.perf_counter()
+        # The proximal policy is the policy before this update. With one optimizer step
+        # it equals the current policy, so the forward pass of the step itself gives it.
+        proximal = None if self._single_step() else self._proximal(rows)
+        losses, norms, metrics = [], [], []
+        tokens = 0
+        for _ in range(self.cfg.epochs):
+            order = list(range(len(rows)))
+            self._rng.shuffle(order)
+            for chunk in np.array_split(order, self.cfg.minibatches):
+                if len(chunk) == 0:
+                    continue
+                idx = [int(i) for i in chunk]
+                loss, norm, ms, n = self._optimizer_step(rows, idx, proximal)
+                losses.append(loss)
+                norms.append(norm)
+                metrics += ms
+                tokens += n
+        self.version += 1
+        wall = time.perf_counter() - started
+        return _summary(
+            rows, losses, norms, metrics, tokens, wall, float(self.scheduler.get_last_lr()[0])
+        )
+
+    def _single_step(self) -> bool:
+        return self.cfg.minibatches == 1 and self.cfg.epochs == 1
+
+    @torch.no_grad()
+    def _proximal(self, rows: list[Transition]) -> dict[int, torch.Tensor]:
+        """Log-probs of every row under the weights before the update, keyed by row index."""
+        out: dict[int, torch.Tensor] = {}
+        for mb in pack(rows, self.cfg.micro_batch_tokens):
+            logp_BT = self._logprobs(mb)
+            for b, i in enumerate(mb.row_indices):
+                out[i] = logp_BT[b, : len(rows[i].input_ids)].detach()
+        return out
+
+    def _logprobs(self, mb: MicroBatch) -> torch.Tensor:
+        with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.cfg.bf16):
+            logits = self.model(
+                input_ids=mb.input_ids_BT.to(self.device),
+                attention_mask=mb.attention_mask_BT.to(self.device),
+            ).logits
+        return token_logprobs(
+            logits, mb.input_ids_BT.to(self.device), mb.temperature_B.to(self.device)
+        )
+
+    def _optimizer_step(
+        self, rows: list[Transition], idx: list[int], proximal: dict[int, torch.Tensor] | None
+    ) -> tuple[float, float, list[LossMetrics], int]:
+        picked = [rows[i] for i in idx]
+        batches = pack(picked, self.cfg.micro_batch_tokens)
+        # One denominator for the whole optimizer step, so accumulating gradients over
+        # micro-batches gives the same update as one big batch.
+        denom = sum(
+            float(loss_weights(mb.loss_mask_BT, mb.weight_BT, self.cfg.loss.aggregation).sum())
+            for mb in batches
+        )
+        total, metrics, tokens = 0.0, [], 0
+        for mb in batches:
+            logp_BT = self._logprobs(mb)
+            prox_BT = logp_BT.detach() if proximal is None else _gather(proximal, idx, mb, logp_BT)
+            loss, m = policy_loss(
+                logp_BT,
+                prox_BT,
+                mb.behaviour_logp_BT.to(self.device),
+                mb.adv_BT.to(self.device),
+                mb.loss_mask_BT.to(self.device),
+                self.cfg.loss,
+                mb.weight_BT.to(self.device),
+                denominator=denom,
+            )
+            loss.backward()
+            total += float(loss.detach())
+            metrics.append(m)
+            tokens += int(mb.attention_mask_BT.sum())
+        params = [p for p in self.model.parameters() if p.requires_grad]
+        norm = float(torch.nn.utils.clip_grad_norm_(params, self.cfg.grad_clip))
+        self.optimizer.step()
+        self.scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return total, norm, metrics, tokens
+
+    def engine_state_dict(self) -> dict[str, torch.Tensor]:
+        """Full weights for the engine (LoRA merged in), detached copies."""
+        if self.cfg.lora is None:
+            return {k: v.detach().clone() for k, v in self.model.state_dict().items()}
+        return _merged_lora_state(self.model)
+
+    def save_model(self, out_dir: str | Path) -> None:
+        """A standard HF model dir (full FT) or peft adapter dir (LoRA)."""
+        self.model.save_pretrained(str(out_dir))
+
+    def load_weights(self, model_dir: str | Path) -> None:
+        """Load weights saved by `save_model` (a full model dir, or a LoRA adapter dir)."""
+        from safetensors.torch import load_file
+
+        files = sorted(Path(model_dir).glob("*.safetensors"))
+        if not files:
+            raise FileNotFoundError(f"no .safetensors weights in {model_dir}")
+        state: dict[str, torch.Tensor] = {}
+        for f in files:
+            state.update(load_file(str(f)))
+        if self.cfg.lora is not None:
+            from peft import set_peft_model_state_dict
+
+            set_peft_model_state_dict(self.model, state)
+            return
+        missing, unexpected = self.model.load_state_dict(state, strict=False)
+        tied = set(getattr(self.model, "_tied_weights_keys", None) or ["lm_head.weight"])
+        if unexpected or set(missing) - tied:
+            raise ValueError(f"weights in {model_dir} do not fit: {missing=} {unexpected=}")
+
+    def state(self) -> dict:
+        """Everything needed to resume exactly (weights are saved separately)."""
+        return {
+            "optimizer": self.optimizer.state_dict(),
+            "scheduler": self.scheduler.state_dict(),
+            "version": self.version,
+            "rng": self._rng.getstate(),
+            "torch_rng": torch.get_rng_state(),
+        }
+
+    def load_state(self, state: dict) -> None:
+        """Restore what `state()` returned."""
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.scheduler.load_state_dict(state["scheduler"])
+        self.version = int(state["version"])
+        self._rng.setstate(state["rng"])
+        torch.set_rng_state(state["torch_rng"])
+
+
+def _gather(
+    proximal: dict[int, torch.Tensor], idx: list[int], mb: MicroBatch, like_BT: torch.Tensor
+) -> torch.Tensor:
+    out_BT = torch.zeros_like(like_BT)
+    for b, local in enumerate(mb.row_indices):
+        row = proximal[idx[local]]
+        out_BT[b, : row.shape[0]] = row
+    return out_BT
+
+
+def _with_lora(model: PreTrainedModel, lora: LoraSettings | None) -> PreTrainedModel:
+    if lora is None:
+        return model
+    from peft import LoraConfig, get_peft_model
+
+    config = LoraConfig(
+        r=lora.r,
+        lora_alpha=lora.alpha,
+        lora_dropout=lora.dropout,
+        target_modules=lora.target_modules,
+        task_type="CAUSAL_LM",
+    )
+    return get_peft_model(model, config)  # type: ignore[return-value]
+
+
+@torch.no_grad()
+def _merged_lora_state(model: PreTrainedModel) -> dict[str, torch.Tensor]:
+    """Base weights with the adapter merged in, under the base model's key names."""
+    model.merge_adapter()  # type: ignore[operator]
+    try:
+        base = model.get_base_model()  # type: ignore[operator]
+        out = {}
+        for key, value in base.state_dict().items():
+            if "lora_" in key:
+                continue
+            out[key.replace(".base_layer", "")] = value.detach().clone()
+        return out
+    finally:
+        model.unmerge_adapter()  # type: ignore[operator]
+
+
+def _summary(
+    rows: list[Transition],
+    losses: list[float],
+    norms: list[float],
+    metrics: list[LossMetrics],
+    tokens: int,
+    wall: float,
+    lr: float,
+) -> TrainMetrics:
+    def avg(name: str) -> float:
+        return float(np.mean([getattr(m, name) for m in metrics])) if metrics else 0.0
+
+    return TrainMetrics(
+        loss=float(np.mean(losses)),
+        grad_norm=float(np.mean(norms)),
+        lr=lr,
+        tokens=sum(len(r.input_ids) for r in rows),
+        trained_tokens=sum(sum(r.loss_mask) for r in rows),
+        optimizer_steps=len(losses),
+        wall_s=wall,
+        tokens_per_s=tokens / max(wall, 1e-9),
+        clip_fraction=avg("clip_fraction"),
+        tis_ratio_mean=avg("tis_ratio_mean"),
+        tis_ratio_max=max((m.tis_ratio_max for m in metrics), default=0.0),
+        tis_capped_fraction=avg("tis_capped_fraction"),
+        kl_behaviour=avg("approx_kl"),
+    )
