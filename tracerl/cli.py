@@ -17,8 +17,15 @@ from pydantic import BaseModel, ConfigDict, Field
 from pydantic_settings import BaseSettings, CliApp, CliPositionalArg, CliSubCommand
 from rich.console import Console
 
+from tracerl.pipeline import AlgorithmConfig, PipelineConfig
 from tracerl.runner import RewardFn, RunnerConfig, load_agent, load_callable
 from tracerl.stack import EngineConfig
+from tracerl.train import TrainConfig
+from tracerl.trainer.trainer import TrainerConfig
+
+# Demo defaults, tuned so the weak tiny model learns the calculator task in minutes on CPU.
+DEMO_PIPELINE = PipelineConfig(steps=40, tasks_per_step=16, group_size=8, eval_every=10)
+DEMO_TRAINER = TrainerConfig(lr=5e-4)
 
 console = Console()
 LATEST = Path("runs") / ".latest_store"
@@ -48,60 +55,80 @@ def _reward_fn(spec: str | None) -> RewardFn | None:
 
 
 class Demo(_Cmd):
-    """Build (or reuse) the weak tiny calculator model and evaluate the calculator agent
-    on held-out tasks through the gateway."""
+    """Build (or reuse) the weak tiny calculator model, evaluate the calculator agent on
+    held-out tasks, train it with RL through the gateway (the agent code unchanged), and
+    evaluate again."""
 
-    eval_tasks: int = Field(default=200, ge=1)
-    """Held-out tasks to evaluate on."""
     name: str = "demo"
     """Run name: outputs go to <runs>/<name>/."""
     runs: str = "runs"
     """Folder holding runs."""
+    train_tasks: int = Field(default=2000, ge=1)
+    """Training tasks generated."""
+    eval_tasks: int = Field(default=200, ge=1)
+    """Held-out tasks to evaluate on."""
     sft_steps: int | None = None
     """Warm-start steps for the tiny model (default: the calibrated value)."""
     seed: int = 0
     """Seed of the model build."""
     rebuild: bool = False
     """Rebuild the tiny model even if it is cached."""
-    runner: RunnerConfig = RunnerConfig(concurrency=32)
+    pipeline: PipelineConfig = DEMO_PIPELINE
+    """Scheduling."""
+    algorithm: AlgorithmConfig = AlgorithmConfig()
+    """Credit assignment."""
+    trainer: TrainerConfig = DEMO_TRAINER
+    """Policy update."""
+    runner: RunnerConfig = RunnerConfig(concurrency=64)
     """How rollouts are run."""
-    engine: EngineConfig = EngineConfig()
+    engine: EngineConfig = EngineConfig(max_batch_size=64)
     """How the model is served."""
 
     def cli_cmd(self) -> None:
-        from tracerl.demo import ensure_calculator_model, example_dir, example_module
-        from tracerl.evaluate import evaluate
-        from tracerl.runner import python_agent
-        from tracerl.stack import start_stack
-        from tracerl.types import Task
-
-        run_dir = _run_dir(self.runs, self.name)
-        _save_config(run_dir, self)
-        console.print("[bold]tracerl demo[/bold]: calculator agent, tiny model, CPU")
-        started = time.perf_counter()
-        model_dir = ensure_calculator_model(self.sft_steps, self.seed, self.rebuild)
-        console.print(f"model: {model_dir} ({time.perf_counter() - started:.1f} s)")
-        tasks_mod = example_module("calculator", "tasks")
-        tasks = [Task.model_validate(t) for t in tasks_mod.make_tasks(self.eval_tasks, "eval", 1)]
-        agent_mod = example_module("calculator", "agent")
-        reward_mod = example_module("calculator", "reward")
-        store_path = run_dir / "traces.db"
-        stack = start_stack(model_dir, store_path, self.engine)
-        _remember_store(store_path)
         from concurrent.futures import ThreadPoolExecutor
 
+        from tracerl.demo import ensure_calculator_model, example_module
+        from tracerl.runner import python_agent
+        from tracerl.train import TrainConfig, train
+        from tracerl.types import Task
+
+        started = time.perf_counter()
+        console.print("[bold]tracerl demo[/bold]: calculator agent, tiny model, CPU")
+        model_dir = ensure_calculator_model(self.sft_steps, self.seed, self.rebuild)
+        console.print(f"model: {model_dir} (ready in {time.perf_counter() - started:.0f} s)")
+        tasks_mod = example_module("calculator", "tasks")
+        train_tasks = [
+            Task.model_validate(t) for t in tasks_mod.make_tasks(self.train_tasks, "train", 0)
+        ]
+        held_out = [
+            Task.model_validate(t) for t in tasks_mod.make_tasks(self.eval_tasks, "eval", 1)
+        ]
+        agent_mod = example_module("calculator", "agent")
+        reward_mod = example_module("calculator", "reward")
+        cfg = TrainConfig(
+            name=self.name,
+            runs=self.runs,
+            model=str(model_dir),
+            agent="examples/calculator/agent.py:run",
+            reward="examples/calculator/reward.py:reward",
+            pipeline=self.pipeline,
+            algorithm=self.algorithm,
+            trainer=self.trainer,
+            runner=self.runner,
+            engine=self.engine,
+        )
+        _remember_store(Path(self.runs) / self.name / "traces.db")
         with ThreadPoolExecutor(self.runner.concurrency) as threads:
             agent = python_agent(agent_mod.run, threads)
-            try:
-                rep = evaluate(
-                    stack.store, stack.url, agent, reward_mod.reward, tasks, 1, self.runner
-                )
-            finally:
-                stack.close()
-        (run_dir / "eval.json").write_text(rep.model_dump_json(indent=2))
-        console.print(f"agent: {example_dir('calculator') / 'agent.py'} (unchanged openai code)")
-        _print_report(rep)
-        console.print(f"traces: {store_path}  (tracerl traces list / tracerl traces show <id>)")
+            summary = train(cfg, agent, reward_mod.reward, (train_tasks, held_out))
+        wall = time.perf_counter() - started
+        before = summary.success_before or 0.0
+        console.print(
+            f"[bold green]held-out success {before:.1%} -> {summary.success_after:.1%}[/bold green]"
+            f" in {wall / 60:.1f} min ({summary.steps} steps, {summary.rollouts_trained} "
+            f"rollouts trained) · outputs: {summary.run_dir}/ (reward.png, metrics.jsonl, tb/, "
+            "model/, summary.json, traces.db)"
+        )
 
 
 class Eval(_Cmd):
@@ -332,6 +359,48 @@ class RunnerCmd(_Cmd):
         console.print(json.dumps({"runner": runner.id, "finished": runner.finished}))
 
 
+class Train(TrainConfig):
+    """Train any agent on any task file with RL through the gateway: evaluate, train,
+    evaluate. Fields come from an optional TOML file, then from flags."""
+
+    config: CliPositionalArg[str] = ""
+    """TOML file with any of the fields below (sections for nested ones)."""
+    resume: str | None = None
+    """Continue the run in this directory (runs/<name>) from its last checkpoint."""
+
+    def cli_cmd(self) -> None:
+        import tomllib
+
+        from tracerl.train import load_run_config, train
+
+        explicit = self.model_dump(exclude_unset=True)
+        explicit.pop("config", None)
+        explicit.pop("resume", None)
+        if self.resume:
+            base = load_run_config(self.resume).model_dump()
+        elif self.config:
+            base = tomllib.loads(Path(self.config).read_text())
+        else:
+            base = {}
+        cfg = TrainConfig.model_validate(_merge(base, explicit))
+        try:
+            cfg.check()
+        except ValueError as e:
+            raise SystemExit(str(e)) from None
+        summary = train(cfg, resume=self.resume is not None)
+        console.print(summary.model_dump_json(indent=2))
+
+
+def _merge(base: dict, over: dict) -> dict:
+    out = dict(base)
+    for key, value in over.items():
+        if isinstance(value, dict) and isinstance(out.get(key), dict):
+            out[key] = _merge(out[key], value)
+        else:
+            out[key] = value
+    return out
+
+
 class Tracerl(
     BaseSettings,
     cli_prog_name="tracerl",
@@ -344,6 +413,7 @@ class Tracerl(
     already are. Point your agent's base_url at the gateway; tracerl records, trains, serves."""
 
     demo: CliSubCommand[Demo]
+    train: CliSubCommand[Train]
     eval: CliSubCommand[Eval]
     traces: CliSubCommand[Traces]
     sft: CliSubCommand[Sft]
