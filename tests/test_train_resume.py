@@ -1,0 +1,78 @@
+"""`tracerl train` killed with SIGKILL mid-step resumes from its last checkpoint, with no
+rollout trained twice and none lost."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from tasks import make_tasks
+
+from tracerl.store.sqlite import SqliteStore
+from tracerl.types import RolloutStatus
+
+pytestmark = pytest.mark.slow
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _train(tmp: Path, model: Path, *extra: str) -> subprocess.Popen[bytes]:
+    cmd = [sys.executable, "-m", "tracerl.cli", "train", *extra]
+    env = {**os.environ, "SLOW_AGENT_SLEEP": "0.3"}
+    return subprocess.Popen(cmd, cwd=tmp, env=env)
+
+
+def test_sigkill_mid_step_then_resume(tiny_model_dir: Path, tmp_path: Path) -> None:
+    tasks = tmp_path / "tasks.jsonl"
+    rows = make_tasks(24, "train", 0) + make_tasks(8, "eval", 1)
+    tasks.write_text("".join(json.dumps(t) + "\n" for t in rows))
+    args = [
+        "--name", "crash", "--model", str(tiny_model_dir), "--tasks", str(tasks),
+        "--agent", f"{ROOT}/tests/agents/slow_agent.py:run",
+        "--reward", f"{ROOT}/examples/calculator/reward.py:reward",
+        "--pipeline.steps", "4", "--pipeline.tasks_per_step", "4", "--pipeline.group_size", "2",
+        "--pipeline.eval_every", "0", "--no-eval_before", "--runner.lease_s", "2",
+    ]  # fmt: skip
+    run = tmp_path / "runs" / "crash"
+    proc = _train(tmp_path, tiny_model_dir, *args)
+    deadline = time.monotonic() + 240
+    # Kill once step 1 is checkpointed and step 2's rollouts are being generated.
+    while True:
+        assert proc.poll() is None, "training ended before it could be killed"
+        assert time.monotonic() < deadline
+        if (run / "checkpoints" / "latest").exists() and (run / "traces.db").exists():
+            store = SqliteStore(run / "traces.db")
+            busy = [
+                r
+                for r in store.rollouts(status=RolloutStatus.running)
+                if "/step1/" in (r.group_id or "")
+            ]
+            store.close()
+            if busy:
+                break
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    done_before = json.loads((run / "checkpoints" / "step-1" / "pipeline.json").read_text())
+    assert done_before["step"] == 1
+
+    resumed = _train(tmp_path, tiny_model_dir, "--resume", str(run))
+    assert resumed.wait(timeout=300) == 0
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["steps"] == 4
+    final = json.loads((run / "checkpoints" / "step-4" / "pipeline.json").read_text())
+    trained = final["trained"]
+    assert len(trained) == len(set(trained)), "a rollout was trained twice"
+    store = SqliteStore(run / "traces.db")
+    train_rollouts = [r for r in store.rollouts() if "/step" in (r.group_id or "")]
+    assert len(train_rollouts) == 4 * 4 * 2  # each step's groups issued exactly once
+    assert {r.id for r in train_rollouts} == set(trained), "a rollout was lost"
+    assert all(r.status == RolloutStatus.succeeded for r in train_rollouts)
+    interrupted = [r for r in train_rollouts if "/step1/" in (r.group_id or "")]
+    assert any(r.attempt == 2 for r in interrupted)  # in flight at the kill, re-run once
+    store.close()
