@@ -76,7 +76,10 @@ def success_rate(model_dir: str, seed: int = 0) -> float:
     model = AutoModelForCausalLM.from_pretrained(model_dir).eval()
     tasks = make_tasks(N_EVAL, "eval", 1)
     convs = [
-        [{"role": "system", "content": SYSTEM_PROMPT}, {"role": "user", "content": t["input"]["question"]}]
+        [
+            {"role": "system", "content": SYSTEM_PROMPT},
+            {"role": "user", "content": t["input"]["question"]},
+        ]
         for t in tasks
     ]
     answers = [""] * len(tasks)
@@ -92,7 +95,9 @@ def success_rate(model_dir: str, seed: int = 0) -> float:
             if expression is None:
                 answers[i] = (message["content"] or "").strip()
                 continue
-            convs[i].append({"role": "tool", "tool_call_id": "call_0", "content": calculate(expression)})
+            convs[i].append(
+                {"role": "tool", "tool_call_id": "call_0", "content": calculate(expression)}
+            )
             still.append(i)
         active = still
     return sum(reward(t, a) for t, a in zip(tasks, answers, strict=True)) / len(tasks)
@@ -100,7 +105,9 @@ def success_rate(model_dir: str, seed: int = 0) -> float:
 
 def main() -> None:
     torch.set_num_threads(1)  # the CPU is shared
-    step_counts = [int(s) for s in sys.argv[1].split(",")] if len(sys.argv) > 1 else [50, 100, 150, 200, 300]
+    step_counts = (
+        [int(s) for s in sys.argv[1].split(",")] if len(sys.argv) > 1 else [50, 100, 150, 200, 300]
+    )
     demos = [Demo.model_validate(d) for d in demonstrations(N_DEMOS)]
     work = Path(tempfile.mkdtemp(prefix="sft_curve_"))
     texts = [render_chat(d.messages, d.tools) for d in demos]
@@ -125,9 +132,16 @@ def main() -> None:
                 "eval_s": round(time.perf_counter() - start, 1),
             }
         )
-        print(f"steps {steps:5d}  loss {r.final_loss:.4f}  success@T1 {rate:.3f}  "
-              f"sft {sft_s:.1f}s  eval {rows[-1]['eval_s']}s", flush=True)
-    print(json.dumps({"sft_tokens_per_s": speed, "curve": rows, "demos": N_DEMOS, "eval_tasks": N_EVAL}))
+        print(
+            f"steps {steps:5d}  loss {r.final_loss:.4f}  success@T1 {rate:.3f}  "
+            f"sft {sft_s:.1f}s  eval {rows[-1]['eval_s']}s",
+            flush=True,
+        )
+    print(
+        json.dumps(
+            {"sft_tokens_per_s": speed, "curve": rows, "demos": N_DEMOS, "eval_tasks": N_EVAL}
+        )
+    )
 
 
 if __name__ == "__main__":

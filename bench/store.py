@@ -61,10 +61,11 @@ def cpu_s() -> float:
 
 def serve(path: str) -> None:
     """Child process: serve a file store; answer each stdin line with its CPU seconds."""
+    from tracerl.server import serving
     from tracerl.store import SqliteStore
-    from tracerl.store.http import create_store_app, serve_in_thread
+    from tracerl.store.http import create_store_app
 
-    with serve_in_thread(create_store_app(SqliteStore(path))) as url:
+    with serving(create_store_app(SqliteStore(path))) as url:
         print(url, flush=True)
         for _ in sys.stdin:
             print(cpu_s(), flush=True)

@@ -17,6 +17,7 @@ from typing import cast
 import numpy as np
 import pytest
 
+from tracerl.server import serving
 from tracerl.store import (
     Conflict,
     InvalidTransition,
@@ -26,7 +27,7 @@ from tracerl.store import (
     Store,
     connect,
 )
-from tracerl.store.http import StoreClient, create_store_app, serve_in_thread
+from tracerl.store.http import StoreClient, create_store_app
 from tracerl.store.packing import pack_floats, pack_ids, unpack_floats, unpack_ids
 from tracerl.types import (
     FINISHED,
@@ -54,7 +55,7 @@ class _Current:
 @pytest.fixture(scope="module")
 def server() -> Iterator[tuple[_Current, str]]:
     current = _Current()
-    with serve_in_thread(create_store_app(cast(Store, current))) as url:
+    with serving(create_store_app(cast(Store, current))) as url:
         yield current, url
 
 

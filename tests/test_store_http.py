@@ -12,11 +12,11 @@ import httpx
 import pytest
 from fastapi import FastAPI
 
+from tracerl.server import serving
 from tracerl.store import LeaseLost, SqliteStore, StoreError
 from tracerl.store.http import (
     StoreClient,
     install_error_handlers,
-    serve_in_thread,
     store_router,
 )
 from tracerl.types import RolloutStatus, Task
@@ -30,7 +30,7 @@ def served() -> Iterator[tuple[httpx.Client, SqliteStore, str]]:
     app = FastAPI()
     app.include_router(store_router(store), prefix="/store")
     install_error_handlers(app)
-    with serve_in_thread(app) as url, httpx.Client(base_url=url) as http:
+    with serving(app) as url, httpx.Client(base_url=url) as http:
         yield http, store, url
     store.close()
 

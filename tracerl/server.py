@@ -9,6 +9,8 @@ from __future__ import annotations
 import socket
 import threading
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import uvicorn
@@ -38,7 +40,6 @@ class BackgroundServer:
 
 def serve_in_thread(app: FastAPI, host: str = "127.0.0.1", port: int = 0) -> BackgroundServer:
     """Start `app` on host:port (a free port when 0) and return once it accepts requests."""
-    port = port or free_port(host)
     config = uvicorn.Config(
         app, host=host, port=port, log_level="warning", access_log=False, lifespan="off"
     )
@@ -49,5 +50,16 @@ def serve_in_thread(app: FastAPI, host: str = "127.0.0.1", port: int = 0) -> Bac
     while not server.started:
         if not thread.is_alive() or time.monotonic() > deadline:
             raise RuntimeError(f"the HTTP server did not start on {host}:{port}")
-        time.sleep(0.01)
-    return BackgroundServer(server, thread, f"http://{host}:{port}")
+        time.sleep(0.002)
+    bound = server.servers[0].sockets[0].getsockname()[1]  # the real port when 0 was asked
+    return BackgroundServer(server, thread, f"http://{host}:{bound}")
+
+
+@contextmanager
+def serving(app: FastAPI, host: str = "127.0.0.1", port: int = 0) -> Iterator[str]:
+    """`serve_in_thread` as a context manager yielding the base URL; stops on exit."""
+    background = serve_in_thread(app, host, port)
+    try:
+        yield background.url
+    finally:
+        background.stop()

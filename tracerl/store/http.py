@@ -14,10 +14,7 @@ SQLite transactions; a thread-pool hop would cost more than they do).
 
 from __future__ import annotations
 
-import threading
-import time
-from collections.abc import Iterator, Mapping
-from contextlib import contextmanager
+from collections.abc import Mapping
 from typing import TYPE_CHECKING, Annotated, TypeVar
 
 import httpx
@@ -42,7 +39,6 @@ __all__ = [
     "StoreClient",
     "create_store_app",
     "install_error_handlers",
-    "serve_in_thread",
     "store_router",
 ]
 
@@ -268,28 +264,6 @@ def create_store_app(store: Store) -> FastAPI:
     app.include_router(store_router(store), prefix="/store")
     install_error_handlers(app)
     return app
-
-
-@contextmanager
-def serve_in_thread(app: FastAPI, host: str = "127.0.0.1", port: int = 0) -> Iterator[str]:
-    """Serve `app` with uvicorn in a daemon thread; yields its base URL (port 0 = a free
-    one). For tests and single-process setups; stops the server on exit."""
-    import uvicorn  # only the serving side needs it
-
-    config = uvicorn.Config(app, host=host, port=port, log_level="warning", access_log=False)
-    server = uvicorn.Server(config)
-    thread = threading.Thread(target=server.run, name="store-http", daemon=True)
-    thread.start()
-    while not server.started:
-        if not thread.is_alive():
-            raise RuntimeError(f"uvicorn failed to start on {host}:{port}")
-        time.sleep(0.002)
-    bound = server.servers[0].sockets[0].getsockname()[1]
-    try:
-        yield f"http://{host}:{bound}"
-    finally:
-        server.should_exit = True
-        thread.join(timeout=10)
 
 
 # -- client -------------------------------------------------------------------------------

@@ -1,0 +1,454 @@
+"""TRL's GRPOTrainer against tracerl's synchronous loop: time per step and reward curves.
+
+Both train the same warm-started tiny calculator model (tracerl.demo) from the same weights
+on the same single-turn task: the first turn of the calculator conversation (system prompt
+with the calculator tool, then "What is 37+48?"), where the model should call
+calculator(expression). The reward grades that call against the question: 1/3 each for the
+left operand, the operator and the right operand (1.0 = the exact arithmetic). Exact match
+alone starts near 0.02 for this weak model, which gives GRPO almost no signal; partial
+credit starts near 0.3 so both curves can move.
+
+Same on both sides: tasks per step x group size rollouts per step, max completion tokens,
+temperature 1, lr, AdamW betas, grad clip 1, constant schedule, no KL, clip 0.2 / 0.28, one
+optimizer step per batch, per-sequence token mean then mean over sequences (TRL
+loss_type="grpo" = tracerl normalize="token" + aggregation="token"), group-std scaled
+advantages, bf16 autocast for training and fp32 sampling, the same torch thread count.
+
+- tracerl: store + HF engine + gateway (start_stack), a runner calling an agent that makes
+  ONE chat completion through the gateway with the openai client, Pipeline in sync mode.
+  A step is timed around Pipeline.run_step (generate, credit, train, publish weights).
+- TRL: GRPOTrainer on CPU (use_vllm False, gradient checkpointing off, no saving, no
+  reporting), prompts pre-rendered with the model's chat template and tools; its reward
+  parses the completion ids exactly as the gateway parses a reply. A step is timed
+  between consecutive on_step_end callbacks.
+
+The first step of each is warm-up and is left out of the times; step time is the median
+of the rest (robust to other work on a shared machine). Prints per-step tables, then one
+JSON line: step_time_ratio (TRL / tracerl), reward_tracerl, reward_trl (mean of the last
+`--final-window` steps of each curve), tracerl_step_s, trl_step_s, steps.
+
+    OMP_NUM_THREADS=1 .venv/bin/python bench/vs_trl.py --steps 15
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import os
+import re
+import statistics
+import sys
+import tempfile
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import httpx
+import torch
+from pydantic import BaseModel, ConfigDict
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "examples" / "calculator"))
+from agent import SYSTEM_PROMPT, TOOLS  # noqa: E402
+from tasks import make_tasks  # noqa: E402
+
+from tracerl.gateway.chat import parse_reply  # noqa: E402
+from tracerl.types import Task  # noqa: E402
+
+EXPRESSION = re.compile(r"^\s*(-?\d+)\s*([-+*])\s*(-?\d+)\s*$")
+
+
+class BenchConfig(BaseModel):
+    """The settings both trainers share."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    model: str = ""
+    """Local model dir; default: the warm-started calculator model (built once, cached)."""
+    steps: int = 15
+    """Training steps of each trainer."""
+    tasks_per_step: int = 16
+    """Prompts per step; each is sampled group_size times."""
+    group_size: int = 8
+    """Completions per prompt sharing a baseline (TRL num_generations)."""
+    max_tokens: int = 32
+    """Most tokens per completion (a correct call is ~23)."""
+    lr: float = 5e-4
+    """AdamW learning rate, constant."""
+    threads: int = 1
+    """torch intra-op threads for both."""
+    bf16: bool = True
+    """bf16 autocast for the training forward/backward of both (sampling stays fp32)."""
+    final_window: int = 3
+    """Final reward = mean of the last this many steps of a curve."""
+    seed: int = 0
+    """Seed of both runs (task order, sampling, init of anything random)."""
+
+
+class Curve(BaseModel):
+    """One trainer's run: wall time and mean reward of every step."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    name: str
+    """'tracerl' or 'trl'."""
+    step_s: list[float]
+    """Wall seconds of each step, in order (the first one is warm-up)."""
+    rewards: list[float]
+    """Mean reward of each step's rollouts (sampled before that step's update)."""
+
+    def step_time(self) -> float:
+        """Median step time after the warm-up step."""
+        timed = self.step_s[1:] or self.step_s
+        return statistics.median(timed)
+
+    def final_reward(self, window: int) -> float:
+        """Mean reward over the last `window` steps."""
+        return statistics.fmean(self.rewards[-window:])
+
+
+class BenchResult(BaseModel):
+    """The last line the bench prints."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    step_time_ratio: float
+    """TRL step time / tracerl step time (> 1: tracerl is faster)."""
+    reward_tracerl: float
+    """tracerl's final reward (mean of the last final_window steps)."""
+    reward_trl: float
+    """TRL's final reward (same window)."""
+    tracerl_step_s: float
+    """tracerl median step time after warm-up, seconds."""
+    trl_step_s: float
+    """TRL median step time after warm-up, seconds."""
+    steps: int
+    """Steps each trainer ran."""
+    rollouts_per_step: int
+    """tasks_per_step x group_size."""
+    start_reward_tracerl: float
+    """tracerl's first-step reward (the initial policy)."""
+    start_reward_trl: float
+    """TRL's first-step reward (the initial policy)."""
+
+
+# ---- the shared task and reward ---------------------------------------------------------
+
+
+def prompt_messages(question: str) -> list[dict[str, str]]:
+    """The first turn of the calculator conversation."""
+    return [{"role": "system", "content": SYSTEM_PROMPT}, {"role": "user", "content": question}]
+
+
+def bench_tasks(n: int, seed: int) -> list[Task]:
+    """n calculator train tasks."""
+    return [Task.model_validate(t) for t in make_tasks(n, "train", seed)]
+
+
+def call_expression(tool_calls: list[dict[str, Any]]) -> str:
+    """The `expression` argument of the first tool call ('' when there is none)."""
+    if not tool_calls:
+        return ""
+    args = tool_calls[0].get("arguments")
+    return str(args.get("expression", "")) if isinstance(args, dict) else ""
+
+
+def reward(task: dict[str, Any], expression: str) -> float:
+    """1/3 each for left operand, operator and right operand matching the question's."""
+    want = EXPRESSION.match(str(task["input"]["question"]).removeprefix("What is ").rstrip("?"))
+    got = EXPRESSION.match(expression)
+    if want is None or got is None:
+        return 0.0
+    return sum(a == b for a, b in zip(want.groups(), got.groups(), strict=True)) / 3
+
+
+# ---- tracerl ----------------------------------------------------------------------------
+
+
+def first_call_agent(
+    task_input: dict[str, Any],
+    *,
+    base_url: str,
+    api_key: str,
+    model: str,
+    max_tokens: int,
+    http: httpx.Client,
+) -> str:
+    """One chat completion through the gateway; returns the called expression."""
+    from openai import OpenAI
+
+    # A shared HTTP client: building one per OpenAI() costs ~35 ms of CPU (SSL context).
+    client = OpenAI(base_url=base_url, api_key=api_key, max_retries=0, http_client=http)
+    reply = client.chat.completions.create(
+        model=model,
+        messages=prompt_messages(str(task_input["question"])),  # type: ignore[arg-type]
+        tools=TOOLS,  # type: ignore[arg-type]
+        max_tokens=max_tokens,
+        temperature=1.0,
+    )
+    calls = reply.choices[0].message.tool_calls or []
+    parsed = [
+        {"arguments": _json_object(c.function.arguments)} for c in calls if c.type == "function"
+    ]
+    return call_expression(parsed)
+
+
+def _json_object(text: str) -> dict[str, Any]:
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError:
+        return {}
+    return value if isinstance(value, dict) else {}
+
+
+def run_tracerl(cfg: BenchConfig, model_dir: Path, work: Path) -> Curve:
+    """Sync pipeline for cfg.steps steps; each step timed around Pipeline.run_step."""
+    from tracerl.pipeline import AlgorithmConfig, Checkpoints, Pipeline, PipelineConfig, make_source
+    from tracerl.runner import RunnerConfig, python_agent
+    from tracerl.stack import EngineConfig, start_stack
+    from tracerl.trainer.trainer import Trainer, TrainerConfig
+
+    torch.manual_seed(cfg.seed)
+    work.mkdir(parents=True, exist_ok=True)
+    batch = cfg.tasks_per_step * cfg.group_size
+    engine_cfg = EngineConfig(
+        max_batch_size=batch, default_max_tokens=cfg.max_tokens, seed=cfg.seed
+    )
+    stack = start_stack(model_dir, work / "traces.db", engine_cfg)
+    threads = ThreadPoolExecutor(batch)
+    http = httpx.Client(limits=httpx.Limits(max_connections=batch), timeout=120.0)
+    try:
+        call = functools.partial(first_call_agent, max_tokens=cfg.max_tokens, http=http)
+        agent = python_agent(call, threads)
+        pipe_cfg = PipelineConfig(
+            steps=cfg.steps,
+            tasks_per_step=cfg.tasks_per_step,
+            group_size=cfg.group_size,
+            eval_every=0,
+            checkpoint_every=cfg.steps,  # like TRL with saving off: one save, at the end
+            seed=cfg.seed,
+        )
+        trainer_cfg = TrainerConfig(lr=cfg.lr, bf16=cfg.bf16, seed=cfg.seed)
+        tasks = bench_tasks(cfg.steps * cfg.tasks_per_step, cfg.seed)
+        runner_cfg = RunnerConfig(concurrency=batch)
+        source = make_source(
+            "bench", stack.store, stack.url, agent, reward, tasks, pipe_cfg, runner_cfg
+        )
+        pipeline = Pipeline(
+            source,
+            stack.store,
+            stack.engine,
+            Trainer(model_dir, trainer_cfg),
+            AlgorithmConfig().build(),
+            Checkpoints(work / "run", keep=1),
+            pipe_cfg,
+        )
+        step_s, rewards = [], []
+        for _ in range(cfg.steps):
+            started = time.perf_counter()
+            report = pipeline.run_step()
+            step_s.append(time.perf_counter() - started)
+            rewards.append(report.reward)
+            _progress("tracerl", len(rewards), cfg.steps, step_s[-1], report.reward)
+        return Curve(name="tracerl", step_s=step_s, rewards=rewards)
+    finally:
+        threads.shutdown(wait=False, cancel_futures=True)
+        http.close()
+        stack.close()
+
+
+# ---- TRL --------------------------------------------------------------------------------
+
+
+def gateway_text(tokenizer: Any, ids: list[int]) -> str:
+    """The completion text as the gateway hands it to parse_reply (tool-call tags kept)."""
+    text = tokenizer.decode(ids, skip_special_tokens=False)
+    for token in tokenizer.all_special_tokens:
+        if "tool_call" not in token:
+            text = text.replace(token, "")
+    return text
+
+
+def run_trl(cfg: BenchConfig, model_dir: Path, work: Path) -> Curve:
+    """GRPOTrainer for cfg.steps steps; each step timed between on_step_end callbacks."""
+    from datasets import Dataset
+    from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
+    from transformers.trainer_callback import PrinterCallback
+    from trl import GRPOConfig, GRPOTrainer
+
+    torch.manual_seed(cfg.seed)
+    tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
+    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
+    tasks = bench_tasks(cfg.steps * cfg.tasks_per_step, cfg.seed)
+    rows = [
+        {
+            # Pre-rendered: TRL's `tools` argument would also run the calls (multi-turn).
+            "prompt": tokenizer.apply_chat_template(
+                prompt_messages(str(t.input["question"])),
+                tools=TOOLS,
+                add_generation_prompt=True,
+                tokenize=False,
+            ),
+            "question": t.input["question"],
+        }
+        for t in tasks
+    ]
+
+    def calculator_reward(completion_ids: list[list[int]], question: list[str], **_: Any):
+        out = []
+        for ids, q in zip(completion_ids, question, strict=True):
+            reply = parse_reply(gateway_text(tokenizer, ids), tools_given=True)
+            out.append(reward({"input": {"question": q}}, call_expression(reply.tool_calls)))
+        return out
+
+    clock = _StepClock(TrainerCallback)
+    batch = cfg.tasks_per_step * cfg.group_size
+    args = GRPOConfig(
+        output_dir=str(work / "trl"),
+        use_cpu=True,
+        use_vllm=False,
+        bf16=cfg.bf16,
+        gradient_checkpointing=False,
+        max_steps=cfg.steps,
+        per_device_train_batch_size=batch,
+        gradient_accumulation_steps=1,
+        steps_per_generation=1,
+        num_iterations=1,
+        num_generations=cfg.group_size,
+        max_completion_length=cfg.max_tokens,
+        temperature=1.0,
+        top_p=1.0,
+        top_k=0,
+        learning_rate=cfg.lr,
+        lr_scheduler_type="constant",
+        warmup_steps=0,
+        optim="adamw_torch",
+        adam_beta1=0.9,
+        adam_beta2=0.99,
+        weight_decay=0.0,
+        max_grad_norm=1.0,
+        beta=0.0,
+        epsilon=0.2,
+        epsilon_high=0.28,
+        loss_type="grpo",
+        scale_rewards="group",
+        logging_steps=1,
+        report_to="none",
+        save_strategy="no",
+        disable_tqdm=True,
+        dataloader_num_workers=0,
+        seed=cfg.seed,
+        data_seed=cfg.seed,
+    )
+    trainer = GRPOTrainer(
+        model=model,
+        reward_funcs=calculator_reward,
+        args=args,
+        train_dataset=Dataset.from_list(rows),
+        processing_class=tokenizer,
+        callbacks=[clock.callback],
+    )
+    trainer.remove_callback(PrinterCallback)  # it prints every log dict; we print our own line
+    clock.total = cfg.steps
+    trainer.train()
+    return Curve(name="trl", step_s=clock.step_s, rewards=clock.rewards)
+
+
+class _StepClock:
+    """Step wall times and logged rewards from TRL's callbacks."""
+
+    def __init__(self, base: type) -> None:
+        self.step_s: list[float] = []
+        self.rewards: list[float] = []
+        self.total = 0
+        self._last = 0.0
+        clock = self
+
+        class Callback(base):  # type: ignore[misc, valid-type]
+            def on_train_begin(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
+                clock._last = time.perf_counter()
+
+            def on_step_end(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
+                now = time.perf_counter()
+                clock.step_s.append(now - clock._last)
+                clock._last = now
+
+            def on_log(self, args: Any, state: Any, control: Any, logs: Any = None, **kw: Any):
+                if logs and "reward" in logs:
+                    clock.rewards.append(float(logs["reward"]))
+                    n = len(clock.rewards)
+                    _progress("trl", n, clock.total, clock.step_s[n - 1], clock.rewards[-1])
+
+        self.callback = Callback()
+
+
+# ---- the comparison ---------------------------------------------------------------------
+
+
+def _progress(name: str, step: int, total: int, seconds: float, value: float) -> None:
+    print(f"  {name:8s} step {step:3d}/{total}  {seconds:6.2f} s  reward {value:.3f}", flush=True)
+
+
+def compare(cfg: BenchConfig, work: Path) -> BenchResult:
+    """Run both trainers and put their numbers side by side."""
+    from tracerl.demo import ensure_calculator_model
+
+    torch.set_num_threads(cfg.threads)
+    model_dir = Path(cfg.model) if cfg.model else ensure_calculator_model()
+    ours = run_tracerl(cfg, model_dir, work / "tracerl")
+    theirs = run_trl(cfg, model_dir, work / "trl")
+    if len(theirs.rewards) != cfg.steps or len(theirs.step_s) != cfg.steps:
+        raise RuntimeError(f"TRL logged {len(theirs.rewards)} rewards in {cfg.steps} steps")
+    print_table(ours, theirs)
+    w = max(1, min(cfg.final_window, cfg.steps))
+    return BenchResult(
+        step_time_ratio=theirs.step_time() / ours.step_time(),
+        reward_tracerl=ours.final_reward(w),
+        reward_trl=theirs.final_reward(w),
+        tracerl_step_s=ours.step_time(),
+        trl_step_s=theirs.step_time(),
+        steps=cfg.steps,
+        rollouts_per_step=cfg.tasks_per_step * cfg.group_size,
+        start_reward_tracerl=ours.rewards[0],
+        start_reward_trl=theirs.rewards[0],
+    )
+
+
+def print_table(ours: Curve, theirs: Curve) -> None:
+    """Per-step rewards and times of both, side by side."""
+    print(
+        f"{'step':>4}  {'tracerl reward':>14}  {'trl reward':>10}  {'tracerl s':>9}  {'trl s':>7}"
+    )
+    for i, (ra, rb, ta, tb) in enumerate(
+        zip(ours.rewards, theirs.rewards, ours.step_s, theirs.step_s, strict=True), start=1
+    ):
+        print(f"{i:>4}  {ra:>14.3f}  {rb:>10.3f}  {ta:>9.2f}  {tb:>7.2f}")
+    print(
+        f"median step after warm-up: tracerl {ours.step_time():.2f} s, trl {theirs.step_time():.2f} s"
+    )
+
+
+def main(argv: list[str] | None = None) -> BenchResult:
+    """Parse flags (one per BenchConfig field), run, print the table and the JSON line."""
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    for name, field in BenchConfig.model_fields.items():
+        kind = field.annotation if field.annotation in (int, float, str) else None
+        if field.annotation is bool:
+            parser.add_argument(
+                f"--{name.replace('_', '-')}", action=argparse.BooleanOptionalAction
+            )
+        else:
+            parser.add_argument(f"--{name.replace('_', '-')}", type=kind)
+    given = {k: v for k, v in vars(parser.parse_args(argv)).items() if v is not None}
+    cfg = BenchConfig(**given)
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    with tempfile.TemporaryDirectory(prefix="tracerl-vs-trl-") as tmp:
+        result = compare(cfg, Path(tmp))
+    print(result.model_dump_json())
+    return result
+
+
+if __name__ == "__main__":
+    main()
