@@ -80,6 +80,7 @@ class PromptBuilder:
         assert isinstance(eos_id, int)
         self.eos_id: int = eos_id
         self._compiled = _compile(tokenizer)
+        self._fast = getattr(tokenizer, "backend_tokenizer", None)
         self._specials = {
             k: v for k, v in tokenizer.special_tokens_map.items() if isinstance(v, str)
         }
@@ -103,6 +104,8 @@ class PromptBuilder:
 
     def encode(self, text: str) -> list[int]:
         """Ids of text; the template already holds every special token it needs."""
+        if self._fast is not None:  # the Rust tokenizer directly: no Python-side wrapping
+            return list(self._fast.encode(text, add_special_tokens=False).ids)
         return list(self.tokenizer.encode(text, add_special_tokens=False))
 
     def build(
