@@ -1,11 +1,12 @@
 """Calibrates the calculator warm start: success at temperature 1 after N steps of SFT.
 
-Builds the tiny model from rendered expert demonstrations, fine-tunes it for several step
-counts, and after each replays the calculator agent's loop in-process (render, sample at
+Builds the tiny model from rendered expert demonstrations, fine-tunes it for several fixed
+step counts and with the default config (early stop at a loss) over three data orders, and
+after each replays the calculator agent's loop in-process (render, sample at
 T=1, parse the tool call, run the calculator, render again, sample the answer) on 200
 held-out eval tasks, scored with the example's reward. Also measures SFT tokens/s with and
 without bf16 autocast. Prints a table, then one JSON line.
-Usage: python bench/sft_curve.py [steps,steps,...]
+Usage: python bench/sft_curve.py [steps,steps,...]   (about 4 minutes on one thread)
 """
 
 from __future__ import annotations
@@ -103,45 +104,57 @@ def success_rate(model_dir: str, seed: int = 0) -> float:
     return sum(reward(t, a) for t, a in zip(tasks, answers, strict=True)) / len(tasks)
 
 
+def _row(base: Path, demos: list[Demo], out: Path, cfg: SftConfig) -> dict:
+    """Fine-tune with `cfg`, evaluate, and time both."""
+    start = time.perf_counter()
+    r = sft(base, demos, out, cfg)
+    sft_s = time.perf_counter() - start
+    start = time.perf_counter()
+    rate = success_rate(r.out_dir)
+    row = {
+        "seed": cfg.seed,
+        "stop_loss": cfg.stop_loss,
+        "steps": r.steps,
+        "loss": round(r.final_loss, 4),
+        "success_t1": rate,
+        "sft_s": round(sft_s, 1),
+        "eval_s": round(time.perf_counter() - start, 1),
+    }
+    print(
+        f"{str(cfg.stop_loss):>9}  {cfg.seed:4d}  {r.steps:5d}  {r.final_loss:.4f}  {rate:10.3f}"
+        f"  {sft_s:5.1f}  {row['eval_s']:5.1f}",
+        flush=True,
+    )
+    return row
+
+
 def main() -> None:
     torch.set_num_threads(1)  # the CPU is shared
-    step_counts = (
-        [int(s) for s in sys.argv[1].split(",")] if len(sys.argv) > 1 else [50, 100, 150, 200, 300]
-    )
+    arg = sys.argv[1] if len(sys.argv) > 1 else "100,200,300"
+    step_counts = [int(s) for s in arg.split(",")]
     demos = [Demo.model_validate(d) for d in demonstrations(N_DEMOS)]
     work = Path(tempfile.mkdtemp(prefix="sft_curve_"))
-    texts = [render_chat(d.messages, d.tools) for d in demos]
-    base = build_tiny_model(work / "base", texts)
+    base = build_tiny_model(work / "base", [render_chat(d.messages, d.tools) for d in demos])
     speed = {}
     for bf16 in (False, True):
-        r = sft(base, demos, work / "speed", SftConfig(steps=30, bf16=bf16, progress=False))
-        speed["bf16" if bf16 else "fp32"] = round(r.tokens_per_s)
-    rows = []
-    for steps in step_counts:
-        start = time.perf_counter()
-        r = sft(base, demos, work / f"sft{steps}", SftConfig(steps=steps, progress=False))
-        sft_s = time.perf_counter() - start
-        start = time.perf_counter()
-        rate = success_rate(r.out_dir)
-        rows.append(
-            {
-                "steps": steps,
-                "loss": round(r.final_loss, 4),
-                "success_t1": rate,
-                "sft_s": round(sft_s, 1),
-                "eval_s": round(time.perf_counter() - start, 1),
-            }
+        cfg = SftConfig(steps=30, stop_loss=None, bf16=bf16, progress=False)
+        speed["bf16" if bf16 else "fp32"] = round(
+            sft(base, demos, work / "speed", cfg).tokens_per_s
         )
-        print(
-            f"steps {steps:5d}  loss {r.final_loss:.4f}  success@T1 {rate:.3f}  "
-            f"sft {sft_s:.1f}s  eval {rows[-1]['eval_s']}s",
-            flush=True,
-        )
-    print(
-        json.dumps(
-            {"sft_tokens_per_s": speed, "curve": rows, "demos": N_DEMOS, "eval_tasks": N_EVAL}
-        )
-    )
+    print(f"SFT tokens/s, 1 thread, batch 16: {speed}")
+    print("stop_loss  seed  steps  loss    success@T1  sft_s  eval_s")
+    # Fixed step counts (no early stop): shows how abrupt the digit-copying transition is.
+    curve = [
+        _row(base, demos, work / f"s{n}", SftConfig(steps=n, stop_loss=None, progress=False))
+        for n in step_counts
+    ]
+    # The defaults, over data orders: what a user of `tracerl sft` gets.
+    defaults = [
+        _row(base, demos, work / f"d{seed}", SftConfig(seed=seed, progress=False))
+        for seed in (0, 1, 2)
+    ]
+    result = {"sft_tokens_per_s": speed, "curve": curve, "defaults": defaults}
+    print(json.dumps({**result, "demos": N_DEMOS, "eval_tasks": N_EVAL}))
 
 
 if __name__ == "__main__":

@@ -3,10 +3,11 @@
 Both train the same warm-started tiny calculator model (tracerl.demo) from the same weights
 on the same single-turn task: the first turn of the calculator conversation (system prompt
 with the calculator tool, then "What is 37+48?"), where the model should call
-calculator(expression). The reward grades that call against the question: 1/3 each for the
-left operand, the operator and the right operand (1.0 = the exact arithmetic). Exact match
-alone starts near 0.02 for this weak model, which gives GRPO almost no signal; partial
-credit starts near 0.3 so both curves can move.
+calculator(expression). The reward is 1 when the call's expression is the question's
+arithmetic (same operands, same operator), else 0; the default warm start (400 SFT steps)
+gets ~0.65 of first calls right at temperature 1, so the curves have room to move. For a
+weaker warm start `--partial-credit` gives 1/3 each for the left operand, the operator and
+the right operand (exact match starts near 0.02 after 150 SFT steps, partial near 0.2).
 
 Same on both sides: tasks per step x group size rollouts per step, max completion tokens,
 temperature 1, lr, AdamW betas, grad clip 1, constant schedule, no KL, clip 0.2 / 0.28, one
@@ -25,9 +26,11 @@ advantages, bf16 autocast for training and fp32 sampling, the same torch thread 
 The first step of each is warm-up and is left out of the times; step time is the median
 of the rest (robust to other work on a shared machine). Prints per-step tables, then one
 JSON line: step_time_ratio (TRL / tracerl), reward_tracerl, reward_trl (mean of the last
-`--final-window` steps of each curve), tracerl_step_s, trl_step_s, steps.
+`--final-window` steps of each curve), tracerl_step_s, trl_step_s, steps, and more. CPU
+seconds per step (all threads) are reported beside wall time: on a shared machine they
+move less with other people's work.
 
-    OMP_NUM_THREADS=1 .venv/bin/python bench/vs_trl.py --steps 15
+    OMP_NUM_THREADS=1 .venv/bin/python bench/vs_trl.py --steps 20
 """
 
 from __future__ import annotations
@@ -45,8 +48,8 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-import httpx
 import torch
+from openai import DefaultHttpxClient, OpenAI
 from pydantic import BaseModel, ConfigDict
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -67,7 +70,7 @@ class BenchConfig(BaseModel):
 
     model: str = ""
     """Local model dir; default: the warm-started calculator model (built once, cached)."""
-    steps: int = 15
+    steps: int = 20
     """Training steps of each trainer."""
     tasks_per_step: int = 16
     """Prompts per step; each is sampled group_size times."""
@@ -79,8 +82,13 @@ class BenchConfig(BaseModel):
     """AdamW learning rate, constant."""
     threads: int = 1
     """torch intra-op threads for both."""
+    concurrency: int = 0
+    """tracerl rollouts in flight (runner workers); 0: all of a step's rollouts at once, as
+    TRL samples its whole batch in one generate call."""
     bf16: bool = True
     """bf16 autocast for the training forward/backward of both (sampling stays fp32)."""
+    partial_credit: bool = False
+    """Reward 1/3 per matching operand/operator instead of 1 for the exact expression."""
     final_window: int = 3
     """Final reward = mean of the last this many steps of a curve."""
     seed: int = 0
@@ -96,13 +104,18 @@ class Curve(BaseModel):
     """'tracerl' or 'trl'."""
     step_s: list[float]
     """Wall seconds of each step, in order (the first one is warm-up)."""
+    cpu_s: list[float]
+    """CPU seconds of the whole process (all threads) during each step."""
     rewards: list[float]
     """Mean reward of each step's rollouts (sampled before that step's update)."""
 
     def step_time(self) -> float:
-        """Median step time after the warm-up step."""
-        timed = self.step_s[1:] or self.step_s
-        return statistics.median(timed)
+        """Median wall time of a step after the warm-up step."""
+        return statistics.median(self.step_s[1:] or self.step_s)
+
+    def cpu_time(self) -> float:
+        """Median CPU time of a step after the warm-up step."""
+        return statistics.median(self.cpu_s[1:] or self.cpu_s)
 
     def final_reward(self, window: int) -> float:
         """Mean reward over the last `window` steps."""
@@ -124,6 +137,9 @@ class BenchResult(BaseModel):
     """tracerl median step time after warm-up, seconds."""
     trl_step_s: float
     """TRL median step time after warm-up, seconds."""
+    cpu_time_ratio: float
+    """TRL / tracerl median CPU seconds (all threads) per step: less sensitive than wall
+    time to other work on a shared machine."""
     steps: int
     """Steps each trainer ran."""
     rollouts_per_step: int
@@ -142,9 +158,19 @@ def prompt_messages(question: str) -> list[dict[str, str]]:
     return [{"role": "system", "content": SYSTEM_PROMPT}, {"role": "user", "content": question}]
 
 
-def bench_tasks(n: int, seed: int) -> list[Task]:
-    """n calculator train tasks."""
-    return [Task.model_validate(t) for t in make_tasks(n, "train", seed)]
+def bench_tasks(cfg: BenchConfig) -> list[Task]:
+    """One epoch's worth of calculator train tasks: each is seen once by each trainer."""
+    n = cfg.steps * cfg.tasks_per_step
+    return [Task.model_validate(t) for t in make_tasks(n, "train", cfg.seed)]
+
+
+def tasks_in_step_order(cfg: BenchConfig) -> list[Task]:
+    """The tasks in the order tracerl's pipeline takes them, step by step, so that TRL
+    (its sampler unshuffled) trains on the same prompts at the same step."""
+    from tracerl.pipeline import TaskOrder
+
+    order = TaskOrder(bench_tasks(cfg), cfg.tasks_per_step, cfg.seed)
+    return [t for step in range(cfg.steps) for t in order.at(step)]
 
 
 def call_expression(tool_calls: list[dict[str, Any]]) -> str:
@@ -155,13 +181,15 @@ def call_expression(tool_calls: list[dict[str, Any]]) -> str:
     return str(args.get("expression", "")) if isinstance(args, dict) else ""
 
 
-def reward(task: dict[str, Any], expression: str) -> float:
-    """1/3 each for left operand, operator and right operand matching the question's."""
+def reward(task: dict[str, Any], expression: str, partial: bool = False) -> float:
+    """1 when `expression` is the question's arithmetic, else 0; with `partial`, 1/3 each
+    for the left operand, the operator and the right operand."""
     want = EXPRESSION.match(str(task["input"]["question"]).removeprefix("What is ").rstrip("?"))
     got = EXPRESSION.match(expression)
     if want is None or got is None:
         return 0.0
-    return sum(a == b for a, b in zip(want.groups(), got.groups(), strict=True)) / 3
+    hits = [a == b for a, b in zip(want.groups(), got.groups(), strict=True)]
+    return sum(hits) / 3 if partial else float(all(hits))
 
 
 # ---- tracerl ----------------------------------------------------------------------------
@@ -174,10 +202,9 @@ def first_call_agent(
     api_key: str,
     model: str,
     max_tokens: int,
-    http: httpx.Client,
+    http: DefaultHttpxClient,
 ) -> str:
     """One chat completion through the gateway; returns the called expression."""
-    from openai import OpenAI
 
     # A shared HTTP client: building one per OpenAI() costs ~35 ms of CPU (SSL context).
     client = OpenAI(base_url=base_url, api_key=api_key, max_retries=0, http_client=http)
@@ -213,12 +240,13 @@ def run_tracerl(cfg: BenchConfig, model_dir: Path, work: Path) -> Curve:
     torch.manual_seed(cfg.seed)
     work.mkdir(parents=True, exist_ok=True)
     batch = cfg.tasks_per_step * cfg.group_size
+    concurrency = cfg.concurrency or batch
     engine_cfg = EngineConfig(
         max_batch_size=batch, default_max_tokens=cfg.max_tokens, seed=cfg.seed
     )
     stack = start_stack(model_dir, work / "traces.db", engine_cfg)
-    threads = ThreadPoolExecutor(batch)
-    http = httpx.Client(limits=httpx.Limits(max_connections=batch), timeout=120.0)
+    threads = ThreadPoolExecutor(concurrency)
+    http = DefaultHttpxClient()
     try:
         call = functools.partial(first_call_agent, max_tokens=cfg.max_tokens, http=http)
         agent = python_agent(call, threads)
@@ -231,10 +259,16 @@ def run_tracerl(cfg: BenchConfig, model_dir: Path, work: Path) -> Curve:
             seed=cfg.seed,
         )
         trainer_cfg = TrainerConfig(lr=cfg.lr, bf16=cfg.bf16, seed=cfg.seed)
-        tasks = bench_tasks(cfg.steps * cfg.tasks_per_step, cfg.seed)
-        runner_cfg = RunnerConfig(concurrency=batch)
+        runner_cfg = RunnerConfig(concurrency=concurrency)
         source = make_source(
-            "bench", stack.store, stack.url, agent, reward, tasks, pipe_cfg, runner_cfg
+            "bench",
+            stack.store,
+            stack.url,
+            agent,
+            functools.partial(reward, partial=cfg.partial_credit),
+            bench_tasks(cfg),
+            pipe_cfg,
+            runner_cfg,
         )
         pipeline = Pipeline(
             source,
@@ -245,14 +279,15 @@ def run_tracerl(cfg: BenchConfig, model_dir: Path, work: Path) -> Curve:
             Checkpoints(work / "run", keep=1),
             pipe_cfg,
         )
-        step_s, rewards = [], []
+        step_s, cpu_s, rewards = [], [], []
         for _ in range(cfg.steps):
-            started = time.perf_counter()
+            started, cpu = time.perf_counter(), time.process_time()
             report = pipeline.run_step()
             step_s.append(time.perf_counter() - started)
+            cpu_s.append(time.process_time() - cpu)
             rewards.append(report.reward)
             _progress("tracerl", len(rewards), cfg.steps, step_s[-1], report.reward)
-        return Curve(name="tracerl", step_s=step_s, rewards=rewards)
+        return Curve(name="tracerl", step_s=step_s, cpu_s=cpu_s, rewards=rewards)
     finally:
         threads.shutdown(wait=False, cancel_futures=True)
         http.close()
@@ -281,7 +316,7 @@ def run_trl(cfg: BenchConfig, model_dir: Path, work: Path) -> Curve:
     torch.manual_seed(cfg.seed)
     tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
     model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
-    tasks = bench_tasks(cfg.steps * cfg.tasks_per_step, cfg.seed)
+    tasks = tasks_in_step_order(cfg)
     rows = [
         {
             # Pre-rendered: TRL's `tools` argument would also run the calls (multi-turn).
@@ -300,7 +335,8 @@ def run_trl(cfg: BenchConfig, model_dir: Path, work: Path) -> Curve:
         out = []
         for ids, q in zip(completion_ids, question, strict=True):
             reply = parse_reply(gateway_text(tokenizer, ids), tools_given=True)
-            out.append(reward({"input": {"question": q}}, call_expression(reply.tool_calls)))
+            task = {"input": {"question": q}}
+            out.append(reward(task, call_expression(reply.tool_calls), cfg.partial_credit))
         return out
 
     clock = _StepClock(TrainerCallback)
@@ -316,6 +352,7 @@ def run_trl(cfg: BenchConfig, model_dir: Path, work: Path) -> Curve:
         gradient_accumulation_steps=1,
         steps_per_generation=1,
         num_iterations=1,
+        shuffle_dataset=False,  # the dataset is already in tracerl's step order
         num_generations=cfg.group_size,
         max_completion_length=cfg.max_tokens,
         temperature=1.0,
@@ -353,7 +390,7 @@ def run_trl(cfg: BenchConfig, model_dir: Path, work: Path) -> Curve:
     trainer.remove_callback(PrinterCallback)  # it prints every log dict; we print our own line
     clock.total = cfg.steps
     trainer.train()
-    return Curve(name="trl", step_s=clock.step_s, rewards=clock.rewards)
+    return Curve(name="trl", step_s=clock.step_s, cpu_s=clock.cpu_s, rewards=clock.rewards)
 
 
 class _StepClock:
@@ -361,18 +398,20 @@ class _StepClock:
 
     def __init__(self, base: type) -> None:
         self.step_s: list[float] = []
+        self.cpu_s: list[float] = []
         self.rewards: list[float] = []
         self.total = 0
-        self._last = 0.0
+        self._last = (0.0, 0.0)
         clock = self
 
         class Callback(base):  # type: ignore[misc, valid-type]
             def on_train_begin(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
-                clock._last = time.perf_counter()
+                clock._last = (time.perf_counter(), time.process_time())
 
             def on_step_end(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
-                now = time.perf_counter()
-                clock.step_s.append(now - clock._last)
+                now = (time.perf_counter(), time.process_time())
+                clock.step_s.append(now[0] - clock._last[0])
+                clock.cpu_s.append(now[1] - clock._last[1])
                 clock._last = now
 
             def on_log(self, args: Any, state: Any, control: Any, logs: Any = None, **kw: Any):
@@ -409,6 +448,7 @@ def compare(cfg: BenchConfig, work: Path) -> BenchResult:
         reward_trl=theirs.final_reward(w),
         tracerl_step_s=ours.step_time(),
         trl_step_s=theirs.step_time(),
+        cpu_time_ratio=theirs.cpu_time() / ours.cpu_time(),
         steps=cfg.steps,
         rollouts_per_step=cfg.tasks_per_step * cfg.group_size,
         start_reward_tracerl=ours.rewards[0],
@@ -417,16 +457,15 @@ def compare(cfg: BenchConfig, work: Path) -> BenchResult:
 
 
 def print_table(ours: Curve, theirs: Curve) -> None:
-    """Per-step rewards and times of both, side by side."""
+    """Per-step rewards, wall and CPU seconds of both, side by side."""
+    head = ["step", "reward tracerl", "reward trl", "wall tracerl", "wall trl"]
+    print("  ".join(f"{h:>14}" for h in [*head, "cpu tracerl", "cpu trl"]))
+    columns = (ours.rewards, theirs.rewards, ours.step_s, theirs.step_s, ours.cpu_s, theirs.cpu_s)
+    for i, values in enumerate(zip(*columns, strict=True), start=1):
+        print(f"{i:>14}  " + "  ".join(f"{v:>14.3f}" for v in values))
     print(
-        f"{'step':>4}  {'tracerl reward':>14}  {'trl reward':>10}  {'tracerl s':>9}  {'trl s':>7}"
-    )
-    for i, (ra, rb, ta, tb) in enumerate(
-        zip(ours.rewards, theirs.rewards, ours.step_s, theirs.step_s, strict=True), start=1
-    ):
-        print(f"{i:>4}  {ra:>14.3f}  {rb:>10.3f}  {ta:>9.2f}  {tb:>7.2f}")
-    print(
-        f"median step after warm-up: tracerl {ours.step_time():.2f} s, trl {theirs.step_time():.2f} s"
+        f"median after warm-up: tracerl {ours.step_time():.2f} s wall {ours.cpu_time():.2f} s cpu,"
+        f" trl {theirs.step_time():.2f} s wall {theirs.cpu_time():.2f} s cpu"
     )
 
 
@@ -434,13 +473,12 @@ def main(argv: list[str] | None = None) -> BenchResult:
     """Parse flags (one per BenchConfig field), run, print the table and the JSON line."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     for name, field in BenchConfig.model_fields.items():
-        kind = field.annotation if field.annotation in (int, float, str) else None
+        flag = f"--{name.replace('_', '-')}"
         if field.annotation is bool:
-            parser.add_argument(
-                f"--{name.replace('_', '-')}", action=argparse.BooleanOptionalAction
-            )
+            parser.add_argument(flag, action=argparse.BooleanOptionalAction, help=field.description)
         else:
-            parser.add_argument(f"--{name.replace('_', '-')}", type=kind)
+            parse = {int: int, float: float}.get(field.annotation, str)  # type: ignore[arg-type]
+            parser.add_argument(flag, type=parse, help=field.description)
     given = {k: v for k, v in vars(parser.parse_args(argv)).items() if v is not None}
     cfg = BenchConfig(**given)
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")

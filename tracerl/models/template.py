@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Mapping, Sequence
+from typing import cast
 
 from transformers.utils.chat_template_utils import render_jinja_template
 
@@ -102,10 +103,14 @@ def render_chat(
 ) -> str:
     """CHAT_TEMPLATE rendered without a tokenizer, exactly as apply_chat_template renders it
     (e.g. to get the texts a new tokenizer is trained on)."""
-    rendered, _ = render_jinja_template(
-        conversations=[[dict(m) for m in messages]],
-        tools=[dict(t) for t in tools] if tools else None,
-        chat_template=CHAT_TEMPLATE,
-        add_generation_prompt=add_generation_prompt,
+    # Typed as str upstream, but it returns (renders, generation indices).
+    rendered, _ = cast(
+        tuple[list[str], list],
+        render_jinja_template(
+            conversations=[[dict(m) for m in messages]],
+            tools=[dict(t) for t in tools] if tools else None,
+            chat_template=CHAT_TEMPLATE,
+            add_generation_prompt=add_generation_prompt,
+        ),
     )
     return rendered[0]

@@ -12,8 +12,14 @@ from pathlib import Path
 
 import torch
 from pydantic import BaseModel, ConfigDict
-from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
+from transformers import (
+    GenerationConfig,
+    LlamaConfig,
+    LlamaForCausalLM,
+    PreTrainedTokenizerFast,
+)
 
+from tracerl.models.template import END, PAD
 from tracerl.models.tokenizer import train_tokenizer
 
 __all__ = ["TinyModelConfig", "build_tiny_model"]
@@ -42,14 +48,20 @@ class TinyModelConfig(BaseModel):
     """Seed of the weight initialisation; the same seed and texts give the same model."""
 
 
+def _token_id(tokenizer: PreTrainedTokenizerFast, token: str) -> int:
+    token_id = tokenizer.convert_tokens_to_ids(token)
+    assert isinstance(token_id, int)
+    return token_id
+
+
 def build_tiny_model(
     out_dir: str | Path, texts: Iterable[str], cfg: TinyModelConfig | None = None
 ) -> Path:
     """Train a tokenizer on `texts`, init a Llama of shape `cfg`, save both to `out_dir`."""
     cfg = cfg or TinyModelConfig()
     tokenizer = train_tokenizer(texts, vocab_size=cfg.vocab_size)
-    eos_id = tokenizer.convert_tokens_to_ids(tokenizer.eos_token)
-    pad_id = tokenizer.convert_tokens_to_ids(tokenizer.pad_token)
+    eos_id = _token_id(tokenizer, END)
+    pad_id = _token_id(tokenizer, PAD)
     config = LlamaConfig(
         vocab_size=len(tokenizer),
         hidden_size=cfg.hidden_size,
