@@ -1,8 +1,8 @@
 """Trainer model-FLOPs utilisation on this CPU: forward+backward FLOP/s over measured matmul peak.
 
 Peak: large square torch matmuls in this process (fp32 and bf16, several sizes, best of
-several runs), with the same thread count as the trainer. This CPU has AMX-BF16, so the
-bf16 peak is several times the fp32 one.
+several runs, measured before and after the trainer runs and the best kept), with the same
+thread count as the trainer. This CPU has AMX-BF16, so the bf16 peak is ~10x the fp32 one.
 
 Trainer: `Trainer.train` (one optimizer step: no separate proximal pass) on rows of
 calculator length (uniform 100-300 tokens, ~half of them sampled), for the tiny model
@@ -10,7 +10,10 @@ calculator length (uniform 100-300 tokens, ~half of them sampled), for the tiny 
 1024), both with the tiny model's tokenizer (vocab ~400). A warm-up step on a quarter of
 the rows comes first; the fastest of the timed steps is kept, as for the peak. MFU compares
 like with like: the trainer's default bf16 autocast against the bf16 peak (`mfu_tiny`,
-`mfu_20m`), and bf16 off against the fp32 peak (`*_fp32`).
+`mfu_20m`), and bf16 off against the fp32 peak (`*_fp32`). The machine is shared, so each
+MFU is also given per CPU second (`mfu_cpu_*`: model FLOPs per second of process CPU time
+over the matmul's FLOPs per CPU second), which discounts the time other processes held the
+cores; `cpu_share` says how much of the cores the step got.
 
 Model FLOPs of a step (padding excluded, as the tokens/s the trainer reports):
   6 * N_mm * n  +  6 * L * d * n * (n + 1)      per row of n tokens
@@ -21,6 +24,7 @@ n(n+1)/2 pairs). Norms, activations, rotary, softmax and the loss are not counte
 
 Where the time goes (`breakdown`): one micro-batch timed stage by stage as the trainer runs
 it: forward (autocast), token_logprobs, policy_loss, backward, then clip + AdamW.
+Experiments on the tiny model: a 16k-token micro-batch budget, one thread instead of two.
 `--profile` prints torch.profiler's top operators; `--compile` also times the trainer with
 the model wrapped by torch.compile (compilation takes minutes here, so it is opt-in).
 The last line printed is one JSON object (MfuReport).
@@ -38,7 +42,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from pydantic import BaseModel, ConfigDict
@@ -66,8 +70,8 @@ class MfuConfig(BaseModel):
 
     rows_tiny: int = 64
     """Rows per step for the tiny model (~13k tokens)."""
-    rows_20m: int = 32
-    """Rows per step for the 20M model (~6.4k tokens; a step takes seconds)."""
+    rows_20m: int = 16
+    """Rows per step for the 20M model (~3.2k tokens; a step takes seconds)."""
     min_len: int = 100
     """Shortest row."""
     max_len: int = 300
@@ -85,13 +89,13 @@ class MfuConfig(BaseModel):
     profile: bool = False
     """Print torch.profiler's top operators for one tiny-model micro-batch (bf16)."""
     compile: bool = False
-    """Also time the trainer with torch.compile(model) (slow to compile)."""
+    """Also time the trainer with torch.compile(model) (minutes to compile here)."""
     seed: int = 0
     """Seed of the rows."""
 
 
 class Timing(BaseModel):
-    """One trainer configuration measured."""
+    """One trainer configuration measured (its fastest step)."""
 
     model_config = ConfigDict(frozen=True, use_attribute_docstrings=True)
 
@@ -99,18 +103,28 @@ class Timing(BaseModel):
     """Which model and setting."""
     bf16: bool
     """Whether bf16 autocast was on."""
+    threads: int
+    """torch threads of the run; a 1-thread run is rated against one core's peak (the
+    peak per CPU second)."""
     tokens_per_s: float
-    """Non-padding tokens per second of the fastest step."""
+    """Non-padding tokens per wall second."""
     gflops: float
-    """Model GFLOP/s of that step."""
-    mfu: float
-    """gflops over the matching peak (bf16 or fp32)."""
+    """Model GFLOP per wall second."""
+    gflops_per_cpu_s: float
+    """Model GFLOP per second of process CPU time (fastest step by CPU time)."""
+    mfu: float = 0.0
+    """gflops over the matching peak (bf16 or fp32); rated once the peaks are final."""
+    mfu_cpu: float = 0.0
+    """gflops_per_cpu_s over the matching peak's gflops_per_cpu_s."""
+    cpu_share: float
+    """CPU time / (wall time x threads) of the fastest step: below 1, other processes had
+    the cores (or threads waited on each other)."""
     step_s: float
     """Wall time of the fastest step."""
 
 
 class Breakdown(BaseModel):
-    """One micro-batch, stage by stage (seconds); the optimizer runs once per step."""
+    """One micro-batch, stage by stage (wall seconds); the optimizer runs once per step."""
 
     model_config = ConfigDict(frozen=True, use_attribute_docstrings=True)
 
@@ -124,9 +138,11 @@ class Breakdown(BaseModel):
     """loss.backward()."""
     optimizer_s: float
     """Gradient clipping and the AdamW step."""
-    matmul_share: float
-    """Model FLOPs of the micro-batch at peak speed / its forward+backward time: the share
-    of that time the matmuls would need if they ran at peak."""
+    model_gflop: float
+    """Model GFLOP of the micro-batch (padding excluded)."""
+    matmul_share: float = 0.0
+    """model_gflop at the bf16 peak / the forward..backward wall time: the share of that
+    time the matmuls would need at peak; rated once the peaks are final."""
 
 
 class MfuReport(BaseModel):
@@ -135,9 +151,9 @@ class MfuReport(BaseModel):
     model_config = ConfigDict(frozen=True, use_attribute_docstrings=True)
 
     mfu_tiny: float
-    """Tiny model, trainer default (bf16 autocast), over the bf16 peak."""
+    """Tiny model, trainer default (bf16 autocast), over the bf16 peak (wall time)."""
     mfu_20m: float
-    """20M model, trainer default (bf16 autocast), over the bf16 peak."""
+    """20M model, trainer default (bf16 autocast), over the bf16 peak (wall time)."""
     peak_fp32_gflops: float
     """Best fp32 square matmul GFLOP/s."""
     peak_bf16_gflops: float
@@ -146,6 +162,14 @@ class MfuReport(BaseModel):
     """Tiny model, bf16 autocast."""
     tokens_per_s_20m: float
     """20M model, bf16 autocast."""
+    mfu_cpu_tiny: float
+    """As mfu_tiny, in GFLOP per CPU second on both sides (less sensitive to load)."""
+    mfu_cpu_20m: float
+    """As mfu_20m, in GFLOP per CPU second on both sides."""
+    peak_fp32_gflops_per_cpu_s: float
+    """Best fp32 matmul GFLOP per CPU second (about one core's peak)."""
+    peak_bf16_gflops_per_cpu_s: float
+    """Best bf16 matmul GFLOP per CPU second."""
     mfu_tiny_fp32: float
     """Tiny model, bf16 off, over the fp32 peak."""
     mfu_20m_fp32: float
@@ -156,6 +180,10 @@ class MfuReport(BaseModel):
     """20M model, bf16 off."""
     mfu_tiny_big_batch: float
     """Tiny model, bf16, with big_micro_batch_tokens."""
+    mfu_tiny_1thread: float
+    """Tiny model, bf16, one thread, over one core's bf16 peak."""
+    tokens_per_s_tiny_1thread: float
+    """Tiny model, bf16, one thread."""
     mfu_tiny_compiled: float | None
     """Tiny model, bf16, torch.compile'd model (None unless --compile)."""
     mfu_20m_compiled: float | None
@@ -183,17 +211,36 @@ class MfuReport(BaseModel):
 # ---------------------------------------------------------------- peak
 
 
-def matmul_peak(dtype: torch.dtype, sizes: list[int], reps: int = 5) -> float:
-    """Best GFLOP/s of n x n @ n x n over sizes and repetitions."""
-    best = 0.0
+class Peak(BaseModel):
+    """Best square-matmul speed of one dtype."""
+
+    model_config = ConfigDict(frozen=True, use_attribute_docstrings=True)
+
+    gflops: float
+    """Best GFLOP/s of wall time."""
+    gflops_per_cpu_s: float
+    """Best GFLOP per second of process CPU time (all threads summed): the speed while
+    the threads actually run, much less sensitive to other processes on the machine."""
+
+    def best(self, other: Peak) -> Peak:
+        return Peak(
+            gflops=max(self.gflops, other.gflops),
+            gflops_per_cpu_s=max(self.gflops_per_cpu_s, other.gflops_per_cpu_s),
+        )
+
+
+def matmul_peak(dtype: torch.dtype, sizes: list[int], reps: int = 5) -> Peak:
+    """Best speed of n x n @ n x n over sizes and repetitions."""
+    wall, cpu = 0.0, 0.0
     for n in sizes:
         a, b = torch.randn(n, n).to(dtype), torch.randn(n, n).to(dtype)
         a @ b  # warm-up: kernel selection, page faults
         for _ in range(reps):
-            start = time.perf_counter()
+            w, c = time.perf_counter(), time.process_time()
             a @ b
-            best = max(best, 2 * n**3 / (time.perf_counter() - start) / 1e9)
-    return best
+            wall = max(wall, 2 * n**3 / (time.perf_counter() - w) / 1e9)
+            cpu = max(cpu, 2 * n**3 / max(time.process_time() - c, 1e-6) / 1e9)
+    return Peak(gflops=wall, gflops_per_cpu_s=cpu)
 
 
 # ---------------------------------------------------------------- rows and FLOPs
@@ -241,36 +288,36 @@ def step_flops(model: PreTrainedModel, lengths: list[int]) -> float:
 
 
 def time_trainer(
-    name: str,
-    model_dir: Path,
-    rows: list[Transition],
-    tcfg: TrainerConfig,
-    cfg: MfuConfig,
-    peak: float,
-    compile_model: bool = False,
+    name: str, trainer: Trainer, rows: list[Transition], cfg: MfuConfig, compile_model: bool
 ) -> Timing:
     """Fastest of cfg.steps Trainer.train steps after a warm-up on a quarter of the rows."""
-    trainer = Trainer(model_dir, tcfg)
     if compile_model:
         trainer.model.compile(dynamic=True)
         trainer.train(rows)  # compiles every shape the timed steps will see
     trainer.train(rows[: max(1, len(rows) // 4)])
-    best = min(trainer.train(rows).wall_s for _ in range(cfg.steps))
+    walls, cpus = [], []
+    for _ in range(cfg.steps):
+        w, c = time.perf_counter(), time.process_time()
+        trainer.train(rows)
+        walls.append(time.perf_counter() - w)
+        cpus.append(time.process_time() - c)
     flops = step_flops(trainer.model, [len(r.input_ids) for r in rows])
-    gflops = flops / best / 1e9
-    tokens = sum(len(r.input_ids) for r in rows)
+    wall, k = min((w, i) for i, w in enumerate(walls))
+    cpu = min(cpus)
     return Timing(
         name=name,
-        bf16=tcfg.bf16,
-        tokens_per_s=tokens / best,
-        gflops=gflops,
-        mfu=gflops / peak,
-        step_s=best,
+        bf16=trainer.cfg.bf16,
+        threads=torch.get_num_threads(),
+        tokens_per_s=sum(len(r.input_ids) for r in rows) / wall,
+        gflops=flops / wall / 1e9,
+        gflops_per_cpu_s=flops / cpu / 1e9,
+        cpu_share=cpus[k] / (wall * cfg.threads),
+        step_s=wall,
     )
 
 
 def _stages(trainer: Trainer, mb: MicroBatch) -> list[float]:
-    """Stage times of one micro-batch, as Trainer._optimizer_step runs it."""
+    """Stage wall times of one micro-batch, as Trainer._optimizer_step runs it."""
     marks = [time.perf_counter()]
     with torch.autocast("cpu", dtype=torch.bfloat16, enabled=trainer.cfg.bf16):
         logits = trainer.model(input_ids=mb.input_ids_BT, attention_mask=mb.attention_mask_BT)
@@ -296,31 +343,26 @@ def _stages(trainer: Trainer, mb: MicroBatch) -> list[float]:
     return [b - a for a, b in zip(marks, marks[1:], strict=False)]
 
 
-def breakdown(model_dir: Path, rows: list[Transition], cfg: MfuConfig, peak: float) -> Breakdown:
-    """Stage times of the first micro-batch (bf16), second of two runs."""
-    trainer = Trainer(model_dir, TrainerConfig(micro_batch_tokens=cfg.micro_batch_tokens))
-    mb = pack(rows, cfg.micro_batch_tokens)[0]
-    _stages(trainer, mb)
+def breakdown(trainer: Trainer, rows: list[Transition]) -> Breakdown:
+    """Stage times of the first (largest) micro-batch, on an already warm trainer."""
+    mb = pack(rows, trainer.cfg.micro_batch_tokens)[0]
     fwd, logp, loss, bwd, opt = _stages(trainer, mb)
     lengths = [int(n) for n in mb.attention_mask_BT.sum(dim=1)]
-    ideal = step_flops(trainer.model, lengths) / (peak * 1e9)
     return Breakdown(
         forward_s=fwd,
         logprobs_s=logp,
         loss_s=loss,
         backward_s=bwd,
         optimizer_s=opt,
-        matmul_share=ideal / (fwd + logp + loss + bwd),
+        model_gflop=step_flops(trainer.model, lengths) / 1e9,
     )
 
 
-def print_profile(model_dir: Path, rows: list[Transition], cfg: MfuConfig) -> None:
-    """torch.profiler's top operators by self CPU time for one bf16 micro-batch."""
+def print_profile(trainer: Trainer, rows: list[Transition]) -> None:
+    """torch.profiler's top operators by self CPU time for one micro-batch."""
     from torch.profiler import ProfilerActivity, profile
 
-    trainer = Trainer(model_dir, TrainerConfig(micro_batch_tokens=cfg.micro_batch_tokens))
-    mb = pack(rows, cfg.micro_batch_tokens)[0]
-    _stages(trainer, mb)
+    mb = pack(rows, trainer.cfg.micro_batch_tokens)[0]
     with profile(activities=[ProfilerActivity.CPU]) as prof:
         _stages(trainer, mb)
     print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=15))
@@ -332,67 +374,126 @@ def build_models(out: Path) -> tuple[Path, Path]:
     return build_tiny_model(out / "tiny", texts, TINY), build_tiny_model(out / "m20", texts, M20)
 
 
-def _param_count(model_dir: Path) -> tuple[int, int]:
-    model = Trainer(model_dir, TrainerConfig()).model
-    return sum(p.numel() for p in model.parameters()), matmul_params(model)
+def measure_peaks(cfg: MfuConfig) -> tuple[Peak, Peak]:
+    """(fp32, bf16) peaks."""
+    sizes = [int(s) for s in cfg.peak_sizes.split(",")]
+    return matmul_peak(torch.float32, sizes), matmul_peak(torch.bfloat16, sizes)
+
+
+class _Measured(BaseModel):
+    """What run() gathers before the report is assembled."""
+
+    timings: dict[str, Timing]
+    breakdowns: dict[str, Breakdown]
+    params: dict[str, tuple[int, int]]
+
+
+class _Case(NamedTuple):
+    name: str
+    model: str
+    bf16: bool = True
+    micro_batch_tokens: int | None = None
+    threads: int | None = None
+    compile: bool = False
+
+
+def _cases(cfg: MfuConfig) -> list[_Case]:
+    """The trainer defaults for both models, then the experiments."""
+    cases = [
+        _Case("tiny", "tiny"),
+        _Case("tiny_fp32", "tiny", bf16=False),
+        _Case("tiny_big_batch", "tiny", micro_batch_tokens=cfg.big_micro_batch_tokens),
+        # On a shared machine a thread that is descheduled stalls every parallel op.
+        _Case("tiny_1thread", "tiny", threads=1),
+        _Case("20m", "20m"),
+        _Case("20m_fp32", "20m", bf16=False),
+    ]
+    if cfg.compile:
+        cases += [
+            _Case("tiny_compiled", "tiny", compile=True),
+            _Case("20m_compiled", "20m", compile=True),
+        ]
+    return cases
+
+
+def _measure(cfg: MfuConfig, out: Path) -> _Measured:
+    dirs = dict(zip(("tiny", "20m"), build_models(out), strict=True))
+    n_rows = {"tiny": cfg.rows_tiny, "20m": cfg.rows_20m}
+    rng = random.Random(cfg.seed)
+    m = _Measured(timings={}, breakdowns={}, params={})
+    rows: dict[str, list[Transition]] = {}
+    for case in _cases(cfg):
+        mbt = case.micro_batch_tokens or cfg.micro_batch_tokens
+        trainer = Trainer(dirs[case.model], TrainerConfig(bf16=case.bf16, micro_batch_tokens=mbt))
+        vocab = trainer.model.config.vocab_size
+        picked = rows.setdefault(case.model, calculator_rows(rng, n_rows[case.model], cfg, vocab))
+        torch.set_num_threads(case.threads or cfg.threads)
+        m.timings[case.name] = time_trainer(case.name, trainer, picked, cfg, case.compile)
+        if case.name == case.model:  # the trainer defaults: where does the time go?
+            m.breakdowns[case.name] = breakdown(trainer, picked)
+            n_all = sum(p.numel() for p in trainer.model.parameters())
+            m.params[case.name] = (n_all, matmul_params(trainer.model))
+        if case.name == "tiny" and cfg.profile:
+            print_profile(trainer, picked)
+        torch.set_num_threads(cfg.threads)
+    return m
+
+
+def _rate(t: Timing, p32: Peak, p16: Peak) -> Timing:
+    peak = p16 if t.bf16 else p32
+    per_core = peak.gflops_per_cpu_s
+    wall_peak = per_core if t.threads == 1 else peak.gflops
+    return t.model_copy(
+        update={"mfu": t.gflops / wall_peak, "mfu_cpu": t.gflops_per_cpu_s / per_core}
+    )
 
 
 def run(cfg: MfuConfig) -> MfuReport:
-    """Measure the peaks, then the trainer on both models."""
+    """Measure the peaks (before and after, best kept), then the trainer on both models."""
     torch.set_num_threads(cfg.threads)
-    sizes = [int(s) for s in cfg.peak_sizes.split(",")]
-    peak32, peak16 = matmul_peak(torch.float32, sizes), matmul_peak(torch.bfloat16, sizes)
-    rng = random.Random(cfg.seed)
+    p32, p16 = measure_peaks(cfg)
     with tempfile.TemporaryDirectory() as tmp:
-        tiny_dir, m20_dir = build_models(Path(tmp))
-        vocab = Trainer(tiny_dir, TrainerConfig()).model.config.vocab_size
-        tiny_rows = calculator_rows(rng, cfg.rows_tiny, cfg, vocab)
-        m20_rows = calculator_rows(rng, cfg.rows_20m, cfg, vocab)
-
-        def timed(
-            name: str, d: Path, rows: list[Transition], bf16: bool, mbt: int, comp: bool = False
-        ) -> Timing:
-            tcfg = TrainerConfig(bf16=bf16, micro_batch_tokens=mbt)
-            return time_trainer(name, d, rows, tcfg, cfg, peak16 if bf16 else peak32, comp)
-
-        mbt, big = cfg.micro_batch_tokens, cfg.big_micro_batch_tokens
-        timings = [
-            timed("tiny", tiny_dir, tiny_rows, True, mbt),
-            timed("tiny_fp32", tiny_dir, tiny_rows, False, mbt),
-            timed("tiny_big_batch", tiny_dir, tiny_rows, True, big),
-            timed("20m", m20_dir, m20_rows, True, mbt),
-            timed("20m_fp32", m20_dir, m20_rows, False, mbt),
-        ]
-        if cfg.compile:
-            timings.append(timed("tiny_compiled", tiny_dir, tiny_rows, True, mbt, comp=True))
-            timings.append(timed("20m_compiled", m20_dir, m20_rows, True, mbt, comp=True))
-        bd_tiny = breakdown(tiny_dir, tiny_rows, cfg, peak16)
-        bd_20m = breakdown(m20_dir, m20_rows, cfg, peak16)
-        if cfg.profile:
-            print_profile(tiny_dir, tiny_rows, cfg)
-        (p_tiny, mm_tiny), (p_20m, mm_20m) = _param_count(tiny_dir), _param_count(m20_dir)
-    by = {t.name: t for t in timings}
+        m = _measure(cfg, Path(tmp))
+    a32, a16 = measure_peaks(cfg)
+    p32, p16 = p32.best(a32), p16.best(a16)
+    t = {k: _rate(v, p32, p16) for k, v in m.timings.items()}
+    b = {
+        k: v.model_copy(
+            update={
+                "matmul_share": v.model_gflop
+                / p16.gflops
+                / (v.forward_s + v.logprobs_s + v.loss_s + v.backward_s)
+            }
+        )
+        for k, v in m.breakdowns.items()
+    }
     return MfuReport(
-        mfu_tiny=by["tiny"].mfu,
-        mfu_20m=by["20m"].mfu,
-        peak_fp32_gflops=peak32,
-        peak_bf16_gflops=peak16,
-        tokens_per_s_tiny=by["tiny"].tokens_per_s,
-        tokens_per_s_20m=by["20m"].tokens_per_s,
-        mfu_tiny_fp32=by["tiny_fp32"].mfu,
-        mfu_20m_fp32=by["20m_fp32"].mfu,
-        tokens_per_s_tiny_fp32=by["tiny_fp32"].tokens_per_s,
-        tokens_per_s_20m_fp32=by["20m_fp32"].tokens_per_s,
-        mfu_tiny_big_batch=by["tiny_big_batch"].mfu,
-        mfu_tiny_compiled=by["tiny_compiled"].mfu if "tiny_compiled" in by else None,
-        mfu_20m_compiled=by["20m_compiled"].mfu if "20m_compiled" in by else None,
-        params_tiny=p_tiny,
-        params_20m=p_20m,
-        matmul_params_tiny=mm_tiny,
-        matmul_params_20m=mm_20m,
-        breakdown_tiny=bd_tiny,
-        breakdown_20m=bd_20m,
-        timings=timings,
+        mfu_tiny=t["tiny"].mfu,
+        mfu_20m=t["20m"].mfu,
+        peak_fp32_gflops=p32.gflops,
+        peak_bf16_gflops=p16.gflops,
+        tokens_per_s_tiny=t["tiny"].tokens_per_s,
+        tokens_per_s_20m=t["20m"].tokens_per_s,
+        mfu_cpu_tiny=t["tiny"].mfu_cpu,
+        mfu_cpu_20m=t["20m"].mfu_cpu,
+        peak_fp32_gflops_per_cpu_s=p32.gflops_per_cpu_s,
+        peak_bf16_gflops_per_cpu_s=p16.gflops_per_cpu_s,
+        mfu_tiny_fp32=t["tiny_fp32"].mfu,
+        mfu_20m_fp32=t["20m_fp32"].mfu,
+        tokens_per_s_tiny_fp32=t["tiny_fp32"].tokens_per_s,
+        tokens_per_s_20m_fp32=t["20m_fp32"].tokens_per_s,
+        mfu_tiny_big_batch=t["tiny_big_batch"].mfu,
+        mfu_tiny_1thread=t["tiny_1thread"].mfu,
+        tokens_per_s_tiny_1thread=t["tiny_1thread"].tokens_per_s,
+        mfu_tiny_compiled=t["tiny_compiled"].mfu if "tiny_compiled" in t else None,
+        mfu_20m_compiled=t["20m_compiled"].mfu if "20m_compiled" in t else None,
+        params_tiny=m.params["tiny"][0],
+        params_20m=m.params["20m"][0],
+        matmul_params_tiny=m.params["tiny"][1],
+        matmul_params_20m=m.params["20m"][1],
+        breakdown_tiny=b["tiny"],
+        breakdown_20m=b["20m"],
+        timings=list(t.values()),
         threads=cfg.threads,
         load_avg_1m=os.getloadavg()[0],
     )
@@ -411,19 +512,25 @@ def _parse_args() -> MfuConfig:
 
 
 def _print(r: MfuReport) -> None:
-    print(f"peak matmul: fp32 {r.peak_fp32_gflops:.0f} GFLOP/s, bf16 {r.peak_bf16_gflops:.0f}")
-    print(f"params: tiny {r.params_tiny:,} (matmul {r.matmul_params_tiny:,}), "
-          f"20m {r.params_20m:,} (matmul {r.matmul_params_20m:,})")
+    print(
+        f"peak matmul GFLOP/s: fp32 {r.peak_fp32_gflops:.0f} ({r.peak_fp32_gflops_per_cpu_s:.0f}"
+        f" per CPU s), bf16 {r.peak_bf16_gflops:.0f} ({r.peak_bf16_gflops_per_cpu_s:.0f} per CPU s)"
+    )
+    print(
+        f"params: tiny {r.params_tiny:,} (matmul {r.matmul_params_tiny:,}), "
+        f"20m {r.params_20m:,} (matmul {r.matmul_params_20m:,})"
+    )
     for t in r.timings:
         print(
-            f"  {t.name:15s} {'bf16' if t.bf16 else 'fp32'}  {t.tokens_per_s:8.0f} tok/s  "
-            f"{t.gflops:7.1f} GFLOP/s  MFU {100 * t.mfu:5.1f}%  ({t.step_s:.2f}s/step)"
+            f"  {t.name:15s} {'bf16' if t.bf16 else 'fp32'} x{t.threads} {t.tokens_per_s:6.0f} tok/s "
+            f"{t.gflops:6.1f} GFLOP/s  MFU {100 * t.mfu:5.1f}%  per CPU s {100 * t.mfu_cpu:5.1f}%"
+            f"  CPU share {100 * t.cpu_share:3.0f}%  ({t.step_s:.2f}s/step)"
         )
     for name, b in (("tiny", r.breakdown_tiny), ("20m", r.breakdown_20m)):
         print(
             f"  {name} micro-batch (bf16): fwd {b.forward_s:.3f}s  logp {b.logprobs_s:.3f}s  "
-            f"loss {b.loss_s:.3f}s  bwd {b.backward_s:.3f}s  opt {b.optimizer_s:.3f}s  "
-            f"matmuls at peak would take {100 * b.matmul_share:.0f}% of fwd+bwd"
+            f"loss {b.loss_s:.3f}s  bwd {b.backward_s:.3f}s  opt {b.optimizer_s:.3f}s; "
+            f"matmuls at peak would take {100 * b.matmul_share:.0f}% of fwd..bwd"
         )
     print(f"  {r.threads} threads, load {r.load_avg_1m:.1f}")
 

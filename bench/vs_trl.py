@@ -57,7 +57,19 @@ sys.path.insert(0, str(ROOT / "examples" / "calculator"))
 from agent import SYSTEM_PROMPT, TOOLS  # noqa: E402
 from tasks import make_tasks  # noqa: E402
 
+from tracerl.demo import ensure_calculator_model  # noqa: E402
 from tracerl.gateway.chat import parse_reply  # noqa: E402
+from tracerl.pipeline import (  # noqa: E402
+    AlgorithmConfig,
+    Checkpoints,
+    Pipeline,
+    PipelineConfig,
+    TaskOrder,
+    make_source,
+)
+from tracerl.runner import RunnerConfig, python_agent  # noqa: E402
+from tracerl.stack import EngineConfig, start_stack  # noqa: E402
+from tracerl.trainer.trainer import Trainer, TrainerConfig  # noqa: E402
 from tracerl.types import Task  # noqa: E402
 
 EXPRESSION = re.compile(r"^\s*(-?\d+)\s*([-+*])\s*(-?\d+)\s*$")
@@ -167,8 +179,6 @@ def bench_tasks(cfg: BenchConfig) -> list[Task]:
 def tasks_in_step_order(cfg: BenchConfig) -> list[Task]:
     """The tasks in the order tracerl's pipeline takes them, step by step, so that TRL
     (its sampler unshuffled) trains on the same prompts at the same step."""
-    from tracerl.pipeline import TaskOrder
-
     order = TaskOrder(bench_tasks(cfg), cfg.tasks_per_step, cfg.seed)
     return [t for step in range(cfg.steps) for t in order.at(step)]
 
@@ -205,7 +215,6 @@ def first_call_agent(
     http: DefaultHttpxClient,
 ) -> str:
     """One chat completion through the gateway; returns the called expression."""
-
     # A shared HTTP client: building one per OpenAI() costs ~35 ms of CPU (SSL context).
     client = OpenAI(base_url=base_url, api_key=api_key, max_retries=0, http_client=http)
     reply = client.chat.completions.create(
@@ -232,11 +241,6 @@ def _json_object(text: str) -> dict[str, Any]:
 
 def run_tracerl(cfg: BenchConfig, model_dir: Path, work: Path) -> Curve:
     """Sync pipeline for cfg.steps steps; each step timed around Pipeline.run_step."""
-    from tracerl.pipeline import AlgorithmConfig, Checkpoints, Pipeline, PipelineConfig, make_source
-    from tracerl.runner import RunnerConfig, python_agent
-    from tracerl.stack import EngineConfig, start_stack
-    from tracerl.trainer.trainer import Trainer, TrainerConfig
-
     torch.manual_seed(cfg.seed)
     work.mkdir(parents=True, exist_ok=True)
     batch = cfg.tasks_per_step * cfg.group_size
@@ -432,8 +436,6 @@ def _progress(name: str, step: int, total: int, seconds: float, value: float) ->
 
 def compare(cfg: BenchConfig, work: Path) -> BenchResult:
     """Run both trainers and put their numbers side by side."""
-    from tracerl.demo import ensure_calculator_model
-
     torch.set_num_threads(cfg.threads)
     model_dir = Path(cfg.model) if cfg.model else ensure_calculator_model()
     ours = run_tracerl(cfg, model_dir, work / "tracerl")

@@ -268,6 +268,9 @@ class Sft(_Cmd):
     """Local HF model dir to start from; default: build a new tiny model on the demos."""
     steps: int | None = None
     """Optimizer steps (default: the calibrated calculator value)."""
+    stop_loss: float | None = None
+    """Stop early once the running loss is below this (default: never, unless no --steps
+    is given either, which uses the calibrated calculator warm start)."""
     lr: float | None = None
     """Peak learning rate (default: SftConfig's)."""
     seed: int = 0
@@ -285,11 +288,14 @@ class Sft(_Cmd):
             build_tiny_model(
                 base, [render_chat(d.messages, d.tools) for d in demos], TinyModelConfig()
             )
-        update = {"seed": self.seed}
+        update: dict[str, object] = {"seed": self.seed}
         if self.steps is not None:
             update["steps"] = self.steps
+            update["stop_loss"] = self.stop_loss
+        elif self.stop_loss is not None:
+            update["stop_loss"] = self.stop_loss
         if self.lr is not None:
-            update["lr"] = self.lr  # type: ignore[assignment]
+            update["lr"] = self.lr
         result = sft(base, demos, self.out, SftConfig().model_copy(update=update))
         console.print(
             f"saved {result.out_dir}: {result.steps} steps, final loss {result.final_loss:.3f}, "

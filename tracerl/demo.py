@@ -57,8 +57,13 @@ def ensure_calculator_model(
     steps: int | None = None, seed: int = 0, rebuild: bool = False, n_demos: int = 4000
 ) -> Path:
     """The warm-started calculator model, built and cached on first use."""
-    cfg = SftConfig(seed=seed) if steps is None else SftConfig(steps=steps, seed=seed)
-    out = cache_dir() / "models" / f"calculator-tiny-sft{cfg.steps}-seed{seed}"
+    # By default SFT stops at a calibrated loss (weak but not hopeless, ~25-35% success at
+    # T=1); an explicit step count trains exactly that many steps.
+    cfg = (
+        SftConfig(seed=seed) if steps is None else SftConfig(steps=steps, seed=seed, stop_loss=None)
+    )
+    stop = "none" if cfg.stop_loss is None else f"{cfg.stop_loss:g}"
+    out = cache_dir() / "models" / f"calculator-tiny-sft{cfg.steps}-stop{stop}-seed{seed}"
     if (out / "config.json").exists() and not rebuild:
         return out
     demos = calculator_demos(n_demos, seed=seed + 1000)

@@ -194,22 +194,32 @@ class Runner:
         self.finished = 0
 
     async def run(self, until_idle: bool = True, stop: asyncio.Event | None = None) -> None:
-        """Run workers until nothing is queued or running (until_idle) or `stop` is set."""
-        stop = stop or asyncio.Event()
-        workers = [
-            asyncio.create_task(self._worker(until_idle, stop)) for _ in range(self.cfg.concurrency)
-        ]
-        await asyncio.gather(*workers)
+        """Run workers until nothing is queued or running (until_idle) or `stop` is set.
 
-    async def _worker(self, until_idle: bool, stop: asyncio.Event) -> None:
+        Workers drain the queue and exit; the runner then polls, backing off to once a
+        second, for rollouts that come back (a dead runner's expired lease) or new work.
+        Idle workers never poll the store, which would cost more than the work itself.
+        """
+        stop = stop or asyncio.Event()
+        delay = self.cfg.poll_s
         while not stop.is_set():
-            claimed = await asyncio.to_thread(self.store.claim, self.id, 1, self.cfg.lease_s)
-            if claimed:
-                await self.run_one(claimed[0])
-                continue
+            drains = [self._drain(stop) for _ in range(self.cfg.concurrency)]
+            done = sum(await asyncio.gather(*drains))
             if until_idle and await asyncio.to_thread(self._idle):
                 return
-            await asyncio.sleep(self.cfg.poll_s)
+            delay = self.cfg.poll_s if done else min(2 * delay, 1.0)
+            await asyncio.sleep(delay)
+
+    async def _drain(self, stop: asyncio.Event) -> int:
+        """Claim and run rollouts until the queue is empty; returns how many ran."""
+        ran = 0
+        while not stop.is_set():
+            claimed = await asyncio.to_thread(self.store.claim, self.id, 1, self.cfg.lease_s)
+            if not claimed:
+                break
+            await self.run_one(claimed[0])
+            ran += 1
+        return ran
 
     def _idle(self) -> bool:
         counts = self.store.counts()
