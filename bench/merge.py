@@ -18,18 +18,25 @@ token gets the same advantage, weight and behaviour log-prob in both.
 
 Measures
 - token_ratio: tokens forwarded per-span / merged.
-- step_time_ratio: median wall time of `Trainer.train` (fresh Trainer from the same weights,
-  bf16 off so the two forms are comparable, one warm-up step first) per-span / merged.
+- step_time_ratio: wall time of `Trainer.train` per-span / merged (fresh Trainer from the
+  same weights each time, bf16 off as for the losses, one warm-up step per form first; the
+  forms alternate and the median of the pairs' ratios is kept, since the machine is shared).
 - max_rel_loss_diff: the loss of the two forms, from `Trainer.train` and from a direct
-  computation, relative to the merged loss.
+  computation, relative to the merged loss. At the first step the PPO ratio is 1 and
+  GRPO's advantages sum to zero over each group, so the loss is a small sum of cancelling
+  terms (~1e-3) and its relative difference is the strictest of the three checks.
 - max_rel_grad_diff: gradients are computed directly, mirroring `Trainer._optimizer_step`
   (pack, token_logprobs, policy_loss with one denominator over all micro-batches, backward)
   but stopping before clip/AdamW, which would hide differences (Adam's first step is about
   lr * sign(g)). Reported as the largest over parameter tensors of |g_span - g_merged| /
-  |g_merged| (L2 norms), and the same over the whole flattened gradient.
+  |g_merged| (L2 norms), and the same over the whole flattened gradient. Both are repeated
+  with float64 weights (`*_fp64`): what remains at fp32 is rounding from different matmul
+  shapes, not a difference in what is computed.
 The last line printed is one JSON object (MergeReport).
 
-    .venv/bin/python bench/merge.py [--rollouts 64 --group-size 8 --reps 5 --threads 2]
+    .venv/bin/python bench/merge.py [--rollouts 64 --group-size 8 --reps 3 --threads 2]
+
+Runs with OMP_WAIT_POLICY=PASSIVE unless the caller sets it (see `passive_omp`).
 """
 
 from __future__ import annotations
@@ -86,8 +93,8 @@ class MergeConfig(BaseModel):
     """Chance that each calculator call mistypes a digit (varies the rewards)."""
     logprob_noise: float = 0.05
     """Behaviour log-prob = model log-prob + U(-noise, noise): a slightly stale policy."""
-    reps: int = 5
-    """Timed Trainer.train steps per form (after one warm-up each); the median is kept."""
+    reps: int = 3
+    """Timed Trainer.train steps per form (after one warm-up each), alternating forms."""
     micro_batch_tokens: int = 8192
     """Trainer micro-batch budget, as TrainerConfig's default."""
     hidden_size: int = 192
@@ -108,13 +115,17 @@ class MergeReport(BaseModel):
     token_ratio: float
     """Tokens forwarded one-row-per-span / merged."""
     step_time_ratio: float
-    """Median Trainer.train wall time one-row-per-span / merged."""
+    """Median over alternating pairs of Trainer.train wall time, per-span / merged."""
     max_rel_loss_diff: float
     """Largest |loss_span - loss_merged| / |loss_merged| (trainer and direct)."""
     max_rel_grad_diff: float
     """Largest per-tensor |g_span - g_merged| / |g_merged|."""
     global_rel_grad_diff: float
     """|g_span - g_merged| / |g_merged| over all parameters flattened."""
+    rel_loss_diff_fp64: float
+    """The loss difference with float64 weights (log-softmax still fp32)."""
+    max_rel_grad_diff_fp64: float
+    """The per-tensor gradient difference with float64 weights."""
     max_abs_logp_diff: float
     """Largest difference of a sampled token's log-prob between the two forms."""
     loss_merged: float
@@ -145,6 +156,8 @@ class MergeReport(BaseModel):
     """torch threads."""
     load_avg_1m: float
     """1-minute load average at the end (the machine is shared: > threads means noise)."""
+    omp_wait_policy: str
+    """OMP_WAIT_POLICY of the run (see `passive_omp`)."""
 
 
 # ---------------------------------------------------------------- traces
@@ -328,7 +341,8 @@ def per_span_rows(batch: Rollouts) -> list[Transition]:
 def sampled_view(rows: list[Transition]) -> dict[str, list[tuple[int, float, float, float]]]:
     """Per rollout, its sampled tokens in call order: (id, advantage, weight, behaviour)."""
     out: dict[str, list[tuple[int, float, float, float]]] = {}
-    for row in sorted(rows, key=lambda r: (r.rollout_id, r.span_ids[0])):
+    seq = {s: k for k, s in enumerate(sid for r in rows for sid in r.span_ids)}
+    for row in sorted(rows, key=lambda r: (r.rollout_id, seq[r.span_ids[0]])):
         out.setdefault(row.rollout_id, []).extend(
             (t, a, row.weight, b)
             for t, m, a, b in zip(
@@ -396,20 +410,40 @@ def logp_diff(merged: dict[str, list[float]], per_span: dict[str, list[float]]) 
     return worst
 
 
+class Timed(BaseModel):
+    """Trainer.train wall times of both forms, measured in alternation."""
+
+    merged_s: list[float]
+    """Each timed step of the merged form."""
+    per_span_s: list[float]
+    """Each timed step of the per-span form, taken right after the merged one."""
+    merged_loss: float
+    """TrainMetrics.loss of the merged form's first step (initial weights)."""
+    per_span_loss: float
+    """TrainMetrics.loss of the per-span form's first step (initial weights)."""
+
+
 def timed_steps(
-    model_dir: Path, rows: list[Transition], cfg: TrainerConfig, reps: int
-) -> tuple[list[float], float]:
-    """Wall times of `reps` Trainer.train calls, each on a fresh Trainer (same weights),
-    after one warm-up call; also the loss of the first timed call."""
-    Trainer(model_dir, cfg).train(rows)  # warm-up: allocator, oneDNN kernels
-    times, first_loss = [], float("nan")
-    for k in range(reps):
-        trainer = Trainer(model_dir, cfg)
-        m = trainer.train(rows)
-        times.append(m.wall_s)
-        if k == 0:
-            first_loss = m.loss
-    return times, first_loss
+    model_dir: Path,
+    merged: list[Transition],
+    split: list[Transition],
+    cfg: TrainerConfig,
+    reps: int,
+) -> Timed:
+    """`reps` Trainer.train calls per form, each on a fresh Trainer (same weights), after one
+    warm-up each; the forms alternate so that load from other processes hits both alike."""
+    for rows in (merged, split):
+        Trainer(model_dir, cfg).train(rows)  # warm-up: allocator, oneDNN kernels
+    runs = [
+        (Trainer(model_dir, cfg).train(merged), Trainer(model_dir, cfg).train(split))
+        for _ in range(reps)
+    ]
+    return Timed(
+        merged_s=[m.wall_s for m, _ in runs],
+        per_span_s=[s.wall_s for _, s in runs],
+        merged_loss=runs[0][0].loss,
+        per_span_loss=runs[0][1].loss,
+    )
 
 
 def rel(a: float, b: float) -> float:
@@ -430,17 +464,23 @@ def run(cfg: MergeConfig) -> MergeReport:
         loss_m, grads_m, logp_m = loss_and_grads(model, merged, tcfg)
         loss_s, grads_s, logp_s = loss_and_grads(model, split, tcfg)
         max_grad, global_grad = grad_diffs(grads_m, grads_s)
-        times_m, train_loss_m = timed_steps(model_dir, merged, tcfg, cfg.reps)
-        times_s, train_loss_s = timed_steps(model_dir, split, tcfg, cfg.reps)
+        # The same in float64 weights: what is left of the difference is fp32 rounding.
+        model.double()
+        loss_m64, grads_m64, _ = loss_and_grads(model, merged, tcfg)
+        loss_s64, grads_s64, _ = loss_and_grads(model, split, tcfg)
+        max_grad64, _ = grad_diffs(grads_m64, grads_s64)
+        timed = timed_steps(model_dir, merged, split, tcfg, cfg.reps)
     tokens_m = sum(len(r.input_ids) for r in merged)
     tokens_s = sum(len(r.input_ids) for r in split)
-    step_m, step_s = statistics.median(times_m), statistics.median(times_s)
+    pairs = zip(timed.per_span_s, timed.merged_s, strict=True)
     return MergeReport(
         token_ratio=tokens_s / tokens_m,
-        step_time_ratio=step_s / step_m,
-        max_rel_loss_diff=max(rel(loss_s, loss_m), rel(train_loss_s, train_loss_m)),
+        step_time_ratio=statistics.median(s / m for s, m in pairs),
+        max_rel_loss_diff=max(rel(loss_s, loss_m), rel(timed.per_span_loss, timed.merged_loss)),
         max_rel_grad_diff=max_grad,
         global_rel_grad_diff=global_grad,
+        rel_loss_diff_fp64=rel(loss_s64, loss_m64),
+        max_rel_grad_diff_fp64=max_grad64,
         max_abs_logp_diff=logp_diff(logp_m, logp_s),
         loss_merged=loss_m,
         loss_per_span=loss_s,
@@ -449,13 +489,14 @@ def run(cfg: MergeConfig) -> MergeReport:
         sampled_tokens=sum(sum(r.loss_mask) for r in merged),
         merged_rows=len(merged),
         per_span_rows=len(split),
-        merged_step_s=step_m,
-        per_span_step_s=step_s,
+        merged_step_s=statistics.median(timed.merged_s),
+        per_span_step_s=statistics.median(timed.per_span_s),
         mean_reward=statistics.fmean(batch.rewards),
         rollouts=len(batch.spans),
         spans_per_rollout=statistics.fmean(len(s) for s in batch.spans),
         threads=cfg.threads,
         load_avg_1m=os.getloadavg()[0],
+        omp_wait_policy=os.environ.get("OMP_WAIT_POLICY", "default"),
     )
 
 
@@ -467,7 +508,20 @@ def _parse_args() -> MergeConfig:
     return MergeConfig(**vars(parser.parse_args()))
 
 
+def passive_omp() -> None:
+    """Re-run this script with OMP_WAIT_POLICY=PASSIVE unless the caller chose a policy.
+
+    With spinning OpenMP workers (the default) a 2-thread torch process collapses 5-15x as
+    soon as another process holds one of the two cores (measured on this machine); passive
+    workers degrade gracefully. libgomp reads the variable when torch loads, hence the exec.
+    """
+    if "OMP_WAIT_POLICY" not in os.environ:
+        os.environ["OMP_WAIT_POLICY"] = "PASSIVE"
+        os.execv(sys.executable, [sys.executable, *sys.argv])
+
+
 def main() -> None:
+    passive_omp()
     hf_logging.disable_progress_bar()
     cfg = _parse_args()
     started = time.perf_counter()
@@ -490,7 +544,11 @@ def main() -> None:
         f" global {r.global_rel_grad_diff:.1e}; logp max diff {r.max_abs_logp_diff:.1e}"
     )
     print(
-        f"  {cfg.threads} threads, load {r.load_avg_1m:.1f}, "
+        f"  float64 weights: loss rel diff {r.rel_loss_diff_fp64:.1e}, grad rel diff max/tensor "
+        f"{r.max_rel_grad_diff_fp64:.1e}"
+    )
+    print(
+        f"  {cfg.threads} threads (OMP_WAIT_POLICY={r.omp_wait_policy}), load {r.load_avg_1m:.1f}, "
         f"{time.perf_counter() - started:.0f}s total"
     )
     print(json.dumps(report.model_dump()))

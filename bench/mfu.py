@@ -24,12 +24,15 @@ n(n+1)/2 pairs). Norms, activations, rotary, softmax and the loss are not counte
 
 Where the time goes (`breakdown`): one micro-batch timed stage by stage as the trainer runs
 it: forward (autocast), token_logprobs, policy_loss, backward, then clip + AdamW.
-Experiments on the tiny model: a 16k-token micro-batch budget, one thread instead of two.
+Experiments: a 16k-token micro-batch budget (tiny model); one thread instead of two (both
+models), rated against one core's peak.
 `--profile` prints torch.profiler's top operators; `--compile` also times the trainer with
 the model wrapped by torch.compile (compilation takes minutes here, so it is opt-in).
 The last line printed is one JSON object (MfuReport).
 
     .venv/bin/python bench/mfu.py [--threads 2 --profile --compile]
+
+Runs with OMP_WAIT_POLICY=PASSIVE unless the caller sets it (see `passive_omp`).
 """
 
 from __future__ import annotations
@@ -184,6 +187,10 @@ class MfuReport(BaseModel):
     """Tiny model, bf16, one thread, over one core's bf16 peak."""
     tokens_per_s_tiny_1thread: float
     """Tiny model, bf16, one thread."""
+    mfu_20m_1thread: float
+    """20M model, bf16, one thread, over one core's bf16 peak."""
+    tokens_per_s_20m_1thread: float
+    """20M model, bf16, one thread."""
     mfu_tiny_compiled: float | None
     """Tiny model, bf16, torch.compile'd model (None unless --compile)."""
     mfu_20m_compiled: float | None
@@ -206,6 +213,8 @@ class MfuReport(BaseModel):
     """torch threads."""
     load_avg_1m: float
     """1-minute load average at the end (the machine is shared: > threads means noise)."""
+    omp_wait_policy: str
+    """OMP_WAIT_POLICY of the run (see `passive_omp`)."""
 
 
 # ---------------------------------------------------------------- peak
@@ -311,7 +320,7 @@ def time_trainer(
         tokens_per_s=sum(len(r.input_ids) for r in rows) / wall,
         gflops=flops / wall / 1e9,
         gflops_per_cpu_s=flops / cpu / 1e9,
-        cpu_share=cpus[k] / (wall * cfg.threads),
+        cpu_share=cpus[k] / (wall * torch.get_num_threads()),
         step_s=wall,
     )
 
@@ -407,6 +416,7 @@ def _cases(cfg: MfuConfig) -> list[_Case]:
         _Case("tiny_1thread", "tiny", threads=1),
         _Case("20m", "20m"),
         _Case("20m_fp32", "20m", bf16=False),
+        _Case("20m_1thread", "20m", threads=1),
     ]
     if cfg.compile:
         cases += [
@@ -485,6 +495,8 @@ def run(cfg: MfuConfig) -> MfuReport:
         mfu_tiny_big_batch=t["tiny_big_batch"].mfu,
         mfu_tiny_1thread=t["tiny_1thread"].mfu,
         tokens_per_s_tiny_1thread=t["tiny_1thread"].tokens_per_s,
+        mfu_20m_1thread=t["20m_1thread"].mfu,
+        tokens_per_s_20m_1thread=t["20m_1thread"].tokens_per_s,
         mfu_tiny_compiled=t["tiny_compiled"].mfu if "tiny_compiled" in t else None,
         mfu_20m_compiled=t["20m_compiled"].mfu if "20m_compiled" in t else None,
         params_tiny=m.params["tiny"][0],
@@ -496,6 +508,7 @@ def run(cfg: MfuConfig) -> MfuReport:
         timings=list(t.values()),
         threads=cfg.threads,
         load_avg_1m=os.getloadavg()[0],
+        omp_wait_policy=os.environ.get("OMP_WAIT_POLICY", "default"),
     )
 
 
@@ -532,10 +545,23 @@ def _print(r: MfuReport) -> None:
             f"loss {b.loss_s:.3f}s  bwd {b.backward_s:.3f}s  opt {b.optimizer_s:.3f}s; "
             f"matmuls at peak would take {100 * b.matmul_share:.0f}% of fwd..bwd"
         )
-    print(f"  {r.threads} threads, load {r.load_avg_1m:.1f}")
+    print(f"  {r.threads} threads (OMP_WAIT_POLICY={r.omp_wait_policy}), load {r.load_avg_1m:.1f}")
+
+
+def passive_omp() -> None:
+    """Re-run this script with OMP_WAIT_POLICY=PASSIVE unless the caller chose a policy.
+
+    With spinning OpenMP workers (the default) a 2-thread torch process collapses 5-15x as
+    soon as another process holds one of the two cores (measured on this machine); passive
+    workers degrade gracefully. libgomp reads the variable when torch loads, hence the exec.
+    """
+    if "OMP_WAIT_POLICY" not in os.environ:
+        os.environ["OMP_WAIT_POLICY"] = "PASSIVE"
+        os.execv(sys.executable, [sys.executable, *sys.argv])
 
 
 def main() -> None:
+    passive_omp()
     hf_logging.disable_progress_bar()
     cfg = _parse_args()
     started = time.perf_counter()

@@ -24,8 +24,8 @@ from tracerl.train import TrainConfig
 from tracerl.trainer.trainer import TrainerConfig
 
 # Demo defaults, tuned so the weak tiny model learns the calculator task in minutes on CPU.
-DEMO_PIPELINE = PipelineConfig(steps=40, tasks_per_step=16, group_size=8, eval_every=10)
-DEMO_TRAINER = TrainerConfig(lr=5e-4)
+DEMO_PIPELINE = PipelineConfig(steps=80, tasks_per_step=16, group_size=8, eval_every=20)
+DEMO_TRAINER = TrainerConfig(lr=3e-4, minibatches=2, warmup_steps=5)
 
 console = Console()
 LATEST = Path("runs") / ".latest_store"
@@ -433,6 +433,9 @@ class Tracerl(
 def main(argv: list[str] | None = None) -> None:
     """Entry point of the `tracerl` command."""
     args = sys.argv[1:] if argv is None else argv
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()  # our own bars say what is happening; theirs are noise
     if not args:
         args = ["--help"]
     CliApp.run(Tracerl, cli_args=args)

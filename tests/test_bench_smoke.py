@@ -1,0 +1,76 @@
+"""The trainer benches run on small settings, and what they measure holds.
+
+bench/merge.py: merged multi-turn rows and one-row-per-span rows of the same 4-call
+calculator rollouts give the same loss and gradients while the merged form forwards ~3x
+fewer tokens. bench/mfu.py: the FLOP accounting matches a hand count.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import random
+import sys
+from pathlib import Path
+from types import ModuleType
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _bench(name: str) -> ModuleType:
+    """Import bench/<name>.py (a script folder, not a package) under a private name."""
+    spec = importlib.util.spec_from_file_location(f"bench_{name}", ROOT / "bench" / f"{name}.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_merge_bench_same_loss_and_gradients_fewer_tokens() -> None:
+    merge = _bench("merge")
+    # One thread: with two, another busy process on the shared machine can stall every op.
+    cfg = merge.MergeConfig(
+        rollouts=8, group_size=4, reps=1, hidden_size=64, num_layers=2, threads=1
+    )
+    threads = torch.get_num_threads()
+    try:
+        report = merge.run(cfg)
+    finally:
+        torch.set_num_threads(threads)
+    assert report.spans_per_rollout == 4
+    assert report.merged_rows == 8 and report.per_span_rows == 32
+    assert report.token_ratio > 2.5
+    assert report.max_rel_loss_diff < 1e-5
+    assert report.max_rel_grad_diff < 1e-5
+    assert report.max_abs_logp_diff < 1e-5
+
+
+def test_merge_bench_prompts_extend_previous_calls(tmp_path: Path) -> None:
+    merge = _bench("merge")
+    cfg = merge.MergeConfig(rollouts=2, group_size=2, hidden_size=32, num_layers=1)
+    _, batch = merge.build_model_and_traces(cfg, tmp_path / "model")
+    for spans in batch.spans:
+        assert [s.seq for s in spans] == [0, 1, 2, 3]
+        for prev, span in zip(spans, spans[1:], strict=False):
+            head = prev.prompt_ids + prev.completion_ids
+            assert span.prompt_ids[: len(head)] == head
+            assert span.prefix_reused == len(head)
+
+
+def test_mfu_flop_count_matches_hand_count(tiny_model_dir: Path) -> None:
+    mfu = _bench("mfu")
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    c = model.config
+    d, f, layers, vocab = c.hidden_size, c.intermediate_size, c.num_hidden_layers, c.vocab_size
+    n_mm = layers * (4 * d * d + 3 * d * f) + vocab * d  # q,k,v,o + gate,up,down + head
+    assert mfu.matmul_params(model) == n_mm
+    assert mfu.step_flops(model, [10, 3]) == pytest.approx(
+        6 * n_mm * 13 + 6 * layers * d * (10 * 11 + 3 * 4)
+    )
+    rows = mfu.calculator_rows(random.Random(0), 5, mfu.MfuConfig(), vocab)
+    assert all(100 <= len(r.input_ids) <= 300 and r.loss_mask[0] == 0 for r in rows)
