@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import multiprocessing
 import os
 import subprocess
 import sys
@@ -25,6 +26,7 @@ import time
 from pathlib import Path
 
 import httpx
+import orjson
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "examples" / "calculator"))
@@ -112,29 +114,41 @@ def sequential(url: str, rollouts: list[str], bodies: dict) -> list[float]:
     return times
 
 
-async def concurrent(url: str, rollouts: list[str], bodies: dict, clients: int) -> float:
-    """Requests per second with `clients` concurrent callers."""
+async def _client_share(url: str, rollouts: list[str], bodies: dict, clients: int) -> int:
+    """One client process's share: `clients` concurrent callers over its rollouts."""
     queue: asyncio.Queue[str] = asyncio.Queue()
     for rid in rollouts:
         queue.put_nowait(rid)
+    first_body = orjson.dumps({**bodies, "messages": FIRST})
+    headers = {"content-type": "application/json"}
 
     async def worker(client: httpx.AsyncClient) -> int:
         done = 0
         while not queue.empty():
-            rid = queue.get_nowait()
-            path = (
-                f"{url}/rollouts/{rid}/v1/chat/completions" if rid else f"{url}/v1/chat/completions"
-            )
-            first = (await client.post(path, json={**bodies, "messages": FIRST})).json()
-            r = await client.post(path, json={**bodies, "messages": second_turn(first)})
-            r.raise_for_status()
+            path = f"{url}/rollouts/{queue.get_nowait()}/v1/chat/completions"
+            reply = await client.post(path, content=first_body, headers=headers)
+            body = orjson.dumps({**bodies, "messages": second_turn(orjson.loads(reply.content))})
+            (await client.post(path, content=body, headers=headers)).raise_for_status()
             done += 2
         return done
 
     limits = httpx.Limits(max_connections=clients, max_keepalive_connections=clients)
     async with httpx.AsyncClient(timeout=30, limits=limits) as client:
+        return sum(await asyncio.gather(*(worker(client) for _ in range(clients))))
+
+
+def _run_share(args: tuple[str, list[str], dict, int]) -> int:
+    return asyncio.run(_client_share(*args))
+
+
+def concurrent(url: str, rollouts: list[str], bodies: dict, clients: int, procs: int = 2) -> float:
+    """Requests per second with `clients` concurrent callers spread over `procs` client
+    processes, so that the Python client is not what limits the measurement."""
+    shares = [(url, rollouts[i::procs], bodies, clients // procs) for i in range(procs)]
+    with multiprocessing.get_context("spawn").Pool(procs) as pool:
+        pool.map(_run_share, [(url, [], bodies, 1)] * procs)  # start the interpreters first
         t0 = time.perf_counter()
-        done = sum(await asyncio.gather(*(worker(client) for _ in range(clients))))
+        done = sum(pool.map(_run_share, shares))
         return done / (time.perf_counter() - t0)
 
 
@@ -186,7 +200,7 @@ def main() -> None:
             gurl, running_rollouts(gurl, args.calls // 2, "s"), body
         )
         rids = running_rollouts(gurl, args.concurrent_calls // 2, "c")
-        results["gateway_rps"] = asyncio.run(concurrent(gurl, rids, body, args.clients))
+        results["gateway_rps"] = concurrent(gurl, rids, body, args.clients)
     finally:
         gateway.terminate()
         gateway.wait()
@@ -198,9 +212,7 @@ def main() -> None:
         bare_body = {**body, "messages": FIRST}
         _bare_seq(burl, 100, bare_body)
         results["bare_seq"] = _bare_seq(burl, args.calls, bare_body)
-        results["bare_rps"] = asyncio.run(
-            _bare_rps(burl, args.concurrent_calls, bare_body, args.clients)
-        )
+        results["bare_rps"] = _bare_concurrent(burl, args.concurrent_calls, bare_body, args.clients)
         del nones
     finally:
         bare.terminate()
@@ -231,18 +243,35 @@ def _bare_seq(url: str, n: int, body: dict) -> list[float]:
     return times
 
 
-async def _bare_rps(url: str, n: int, body: dict, clients: int) -> float:
+async def _bare_share(url: str, n: int, body: dict, clients: int) -> int:
     sem = asyncio.Semaphore(clients)
+    payload = orjson.dumps(body)
+    headers = {"content-type": "application/json"}
     limits = httpx.Limits(max_connections=clients, max_keepalive_connections=clients)
     async with httpx.AsyncClient(timeout=30, limits=limits) as client:
 
         async def one() -> None:
             async with sem:
-                (await client.post(f"{url}/v1/chat/completions", json=body)).raise_for_status()
+                r = await client.post(
+                    f"{url}/v1/chat/completions", content=payload, headers=headers
+                )
+                r.raise_for_status()
 
-        t0 = time.perf_counter()
         await asyncio.gather(*(one() for _ in range(n)))
-        return n / (time.perf_counter() - t0)
+    return n
+
+
+def _run_bare_share(args: tuple[str, int, dict, int]) -> int:
+    return asyncio.run(_bare_share(*args))
+
+
+def _bare_concurrent(url: str, n: int, body: dict, clients: int, procs: int = 2) -> float:
+    shares = [(url, n // procs, body, clients // procs)] * procs
+    with multiprocessing.get_context("spawn").Pool(procs) as pool:
+        pool.map(_run_bare_share, [(url, 1, body, 1)] * procs)
+        t0 = time.perf_counter()
+        done = sum(pool.map(_run_bare_share, shares))
+        return done / (time.perf_counter() - t0)
 
 
 if __name__ == "__main__":
