@@ -20,50 +20,21 @@ from pathlib import Path
 from typing import cast
 
 import torch
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+from transformers import AutoTokenizer, LlamaForCausalLM, PreTrainedTokenizerBase
 from transformers.utils import logging as hf_logging
 
 from tracerl.engines.hf import HFEngine
+from tracerl.models.tiny import TinyModelConfig, build_tiny_model
 from tracerl.types import Generation, SamplingParams
 
 
-def build_tiny_model(path: Path) -> PreTrainedTokenizerFast:
-    """Save a random tiny Llama and its byte-level BPE tokenizer to `path`."""
+def build_model(path: Path) -> PreTrainedTokenizerBase:
+    """A random tiny model (the demo's shape) with a tokenizer trained on arithmetic text."""
     corpus = [
         f"what is {a} + {b}? call add({a}, {b}) -> {a + b}" for a in range(40) for b in range(7)
     ]
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.Sequence(
-        [pre_tokenizers.Digits(individual_digits=True), pre_tokenizers.ByteLevel()]
-    )
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=400,
-        special_tokens=["<pad>", "<eos>"],
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False,
-    )
-    tok.train_from_iterator(corpus, trainer)
-    tokenizer = PreTrainedTokenizerFast(
-        tokenizer_object=tok, eos_token="<eos>", pad_token="<pad>", padding_side="left"
-    )
-    config = LlamaConfig(
-        vocab_size=len(tokenizer),
-        hidden_size=192,
-        intermediate_size=512,
-        num_hidden_layers=4,
-        num_attention_heads=6,
-        num_key_value_heads=6,
-        max_position_embeddings=512,
-        eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.pad_token_id,
-        bos_token_id=None,
-    )
-    torch.manual_seed(0)
-    LlamaForCausalLM(config).save_pretrained(path)
-    tokenizer.save_pretrained(path)
-    return tokenizer
+    build_tiny_model(path, corpus, TinyModelConfig(num_heads=6))
+    return AutoTokenizer.from_pretrained(path)
 
 
 async def _timed(
@@ -97,7 +68,7 @@ def main() -> None:
     hf_logging.disable_progress_bar()
 
     with tempfile.TemporaryDirectory() as tmp:
-        tokenizer = build_tiny_model(Path(tmp))
+        tokenizer = build_model(Path(tmp))
         engine = HFEngine(tmp, max_batch_size=args.requests)
     prompts = [
         tokenizer(f"what is {i} + {2 * i + 1}? call").input_ids for i in range(args.requests)
