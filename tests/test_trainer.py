@@ -1,4 +1,4 @@
-"""The trainer's LoRA mode: trains only the adapter, merges for the engine, saves peft."""
+"""The trainer: LoRA (adapter-only training, merged weights, peft files) and the KL term."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ from transformers import AutoModelForCausalLM
 
 from tracerl.algorithms import GRPO, compute_advantages
 from tracerl.algorithms.transitions import spans_to_transitions
+from tracerl.trainer.loss import LossConfig
 from tracerl.trainer.trainer import LoraSettings, Trainer, TrainerConfig
 from tracerl.types import Span
 
@@ -50,3 +51,17 @@ def test_lora_trains_adapter_and_publishes_merged_weights(
 
     loaded = PeftModel.from_pretrained(base, str(tmp_path / "adapter")).merge_and_unload()
     assert torch.allclose(loaded.state_dict()[q], merged[q], atol=1e-6)
+
+
+def test_kl_to_reference_is_zero_at_start_and_grows(tiny_model_dir: Path) -> None:
+    base = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
+    rows = _rows(base.config.vocab_size)
+    for lora in (None, LoraSettings(r=4, alpha=8)):
+        loss = LossConfig(kl_coef=0.1)
+        trainer = Trainer(tiny_model_dir, TrainerConfig(lr=1e-2, bf16=False, lora=lora, loss=loss))
+        first = trainer.train(rows)
+        second = trainer.train(rows)
+        assert first.kl_reference is not None and abs(first.kl_reference) < 1e-6
+        assert second.kl_reference is not None and second.kl_reference > 1e-6
+    plain = Trainer(tiny_model_dir, TrainerConfig(bf16=False)).train(rows)
+    assert plain.kl_reference is None

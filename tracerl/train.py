@@ -220,6 +220,7 @@ def _step_values(report: StepReport) -> dict[str, float | int | str | None]:
         "train/tis_ratio_max": t.tis_ratio_max,
         "train/tis_capped_fraction": t.tis_capped_fraction,
         "train/kl_behaviour": t.kl_behaviour,
+        "train/kl_reference": t.kl_reference,
         "train/tokens": t.tokens,
         "train/tokens_per_s": t.tokens_per_s,
         "time/generate_s": report.generate_s,

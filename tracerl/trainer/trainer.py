@@ -10,6 +10,7 @@ written on the rows.
 
 from __future__ import annotations
 
+import copy
 import math
 import random
 import time
@@ -115,6 +116,8 @@ class TrainMetrics(BaseModel):
     """Share of tokens whose importance weight was capped."""
     kl_behaviour: float
     """KL(behaviour || current) estimate (k3)."""
+    kl_reference: float | None = None
+    """KL(current || reference) estimate (k3), when the KL term is on."""
 
 
 class Trainer:
@@ -135,6 +138,8 @@ class Trainer:
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, self._lr_factor)
         self.version = 0
         self._rng = random.Random(cfg.seed)
+        # The KL reference is the starting policy, kept only when the KL term is on.
+        self._reference = _reference(self.model, cfg) if cfg.loss.kl_coef > 0 else None
 
     def _lr_factor(self, step: int) -> float:
         if step < self.cfg.warmup_steps:
@@ -185,9 +190,9 @@ class Trainer:
                 out[i] = logp_BT[b, : len(rows[i].input_ids)].detach()
         return out
 
-    def _logprobs(self, mb: MicroBatch) -> torch.Tensor:
+    def _logprobs(self, mb: MicroBatch, model: torch.nn.Module | None = None) -> torch.Tensor:
         with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.cfg.bf16):
-            logits = self.model(
+            logits = (model or self.model)(
                 input_ids=mb.input_ids_BT.to(self.device),
                 attention_mask=mb.attention_mask_BT.to(self.device),
             ).logits
@@ -210,6 +215,7 @@ class Trainer:
         for mb in batches:
             logp_BT = self._logprobs(mb)
             prox_BT = logp_BT.detach() if proximal is None else _gather(proximal, idx, mb, logp_BT)
+            ref_BT = self._reference_logprobs(mb)
             loss, m = policy_loss(
                 logp_BT,
                 prox_BT,
@@ -218,6 +224,7 @@ class Trainer:
                 mb.loss_mask_BT.to(self.device),
                 self.cfg.loss,
                 mb.weight_BT.to(self.device),
+                ref_BT,
                 denominator=denom,
             )
             loss.backward()
@@ -230,6 +237,15 @@ class Trainer:
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
         return total, norm, metrics, tokens
+
+    @torch.no_grad()
+    def _reference_logprobs(self, mb: MicroBatch) -> torch.Tensor | None:
+        if self._reference is None:
+            return None
+        if self.cfg.lora is not None:  # the base model is the adapter-free model
+            with self.model.disable_adapter():  # type: ignore[operator]
+                return self._logprobs(mb)
+        return self._logprobs(mb, self._reference)
 
     def engine_state_dict(self) -> dict[str, torch.Tensor]:
         """Full weights for the engine (LoRA merged in), detached copies."""
@@ -290,6 +306,16 @@ def _gather(
     return out_BT
 
 
+def _reference(model: PreTrainedModel, cfg: TrainerConfig) -> torch.nn.Module:
+    """A frozen copy of the starting weights (LoRA needs none: it disables its adapter)."""
+    if cfg.lora is not None:
+        return model
+    ref = copy.deepcopy(model).eval()
+    for p in ref.parameters():
+        p.requires_grad_(False)
+    return ref
+
+
 def _with_lora(model: PreTrainedModel, lora: LoraSettings | None) -> PreTrainedModel:
     if lora is None:
         return model
@@ -347,4 +373,5 @@ def _summary(
         tis_ratio_max=max((m.tis_ratio_max for m in metrics), default=0.0),
         tis_capped_fraction=avg("tis_capped_fraction"),
         kl_behaviour=avg("approx_kl"),
+        kl_reference=avg("ref_kl") if metrics and metrics[0].ref_kl is not None else None,
     )
