@@ -191,8 +191,7 @@ def _run(
     after = held_out_eval(held_out, "eval after").success_rate
     log.log(pipeline.step, {"eval/success": after, "eval/final": after})
     plot_rewards(log.path, run_dir / "reward.png", cfg.name)
-    trainer.save_model(run_dir / "model")
-    stack.engine.tokenizer.save_pretrained(str(run_dir / "model"))  # type: ignore[attr-defined]
+    _save_outputs(trainer, stack, cfg, run_dir)
     summary = TrainSummary(
         success_before=before,
         success_after=after,
@@ -203,6 +202,22 @@ def _run(
     )
     (run_dir / "summary.json").write_text(summary.model_dump_json(indent=2))
     return summary
+
+
+def _save_outputs(trainer: Trainer, stack: LocalStack, cfg: TrainConfig, run_dir: Path) -> None:
+    """model/: an HF model dir (full FT) or a peft adapter (LoRA); with LoRA also
+    model-merged/, a plain HF model dir any tool (or `tracerl eval`) loads directly."""
+    tokenizer = stack.engine.tokenizer  # type: ignore[attr-defined]
+    trainer.save_model(run_dir / "model")
+    tokenizer.save_pretrained(str(run_dir / "model"))
+    if cfg.trainer.lora is None:
+        return
+    from transformers import AutoModelForCausalLM
+
+    merged = AutoModelForCausalLM.from_pretrained(cfg.model)
+    merged.load_state_dict(trainer.engine_state_dict())
+    merged.save_pretrained(str(run_dir / "model-merged"))
+    tokenizer.save_pretrained(str(run_dir / "model-merged"))
 
 
 def _step_values(report: StepReport) -> dict[str, float | int | str | None]:
