@@ -260,3 +260,24 @@ def test_reward_over_http(served) -> None:  # type: ignore[no-untyped-def]
     resp = httpx.post(f"{server.url}/rollouts/{rid}/reward", json={"value": 0.5})
     assert resp.status_code == 200
     assert [r.value for r in store.rewards(rid)] == [0.5]
+
+
+def test_bounded_memory_recovers_call_numbers_from_the_store(tiny_model_dir: Path) -> None:
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    store = SqliteStore(":memory:")
+    gateway = Gateway(
+        store, {"policy": ServedModel("policy", ScriptedEngine(tokenizer), tokenizer)}, memory=1
+    )
+    server = serve_in_thread(create_app(gateway))
+    try:
+        first, second = _running_rollout(store), None
+        store.add_tasks([Task(id="t2", input={"question": "?"})])
+        store.enqueue(["t2"])
+        second = store.claim("r", 1, 60.0)[0].id
+        for rid in (first, second, first, second):  # each call evicts the other rollout
+            _client(server.url, rid).chat.completions.create(model="policy", messages=MESSAGES)
+        assert [s.seq for s in store.spans(first)] == [0, 1]
+        assert [s.seq for s in store.spans(second)] == [0, 1]
+    finally:
+        server.stop()
+        store.close()

@@ -19,7 +19,7 @@ from tqdm import tqdm
 
 from tracerl.runner import AgentFn, RewardFn, Runner, RunnerConfig
 from tracerl.store import Store
-from tracerl.types import Rollout, RolloutStatus, Task
+from tracerl.types import Rollout, Task
 
 
 def load_tasks(path: str | Path, split: str | None = None) -> list[Task]:
@@ -156,8 +156,3 @@ def evaluate(
     started = time.perf_counter()
     rollouts = run_rollouts(store, gateway_url, agent, reward_fn, tasks, repeats, cfg, desc=desc)
     return report(store, rollouts, time.perf_counter() - started)
-
-
-def finished_ok(rollout: Rollout) -> bool:
-    """Whether a rollout ran to completion (its reward may still be 0)."""
-    return rollout.status == RolloutStatus.succeeded

@@ -12,6 +12,7 @@ import asyncio
 import re
 import time
 import uuid
+from collections import OrderedDict
 from dataclasses import dataclass, field
 
 from pydantic import ValidationError
@@ -137,11 +138,17 @@ class Served:
 class Gateway:
     """Serves calls for a set of models and records each call as a span in the store."""
 
-    def __init__(self, store: Store | None, models: dict[str, ServedModel]) -> None:
+    def __init__(
+        self, store: Store | None, models: dict[str, ServedModel], memory: int = 100_000
+    ) -> None:
         self.store = store
         self.models = models
-        self._histories: dict[tuple[str, int, str], History] = {}
-        self._seq: dict[tuple[str, int], int] = {}
+        # Per-rollout memory, bounded: the oldest entries go first. A forgotten history only
+        # costs a re-tokenization (recorded as a prefix break); a forgotten call counter is
+        # recovered from the store.
+        self._histories: OrderedDict[tuple[str, int, str], History] = OrderedDict()
+        self._seq: OrderedDict[tuple[str, int], int] = OrderedDict()
+        self.memory = memory
 
     def model(self, name: str) -> ServedModel:
         """The served model called `name`, or a 404."""
@@ -306,6 +313,9 @@ class Gateway:
             for c in choices
         ]
         self._histories[key] = History(messages=messages, tools=tools, turns=turns)
+        self._histories.move_to_end(key)
+        while len(self._histories) > self.memory:
+            self._histories.popitem(last=False)
 
     def _record(
         self,
@@ -319,9 +329,14 @@ class Gateway:
     ) -> None:
         assert self.store is not None
         spans = []
+        key = (rollout.id, rollout.attempt)
+        if key not in self._seq:
+            self._seq[key] = len(self.store.spans(rollout.id, rollout.attempt))
+            while len(self._seq) > self.memory:
+                self._seq.popitem(last=False)
         for c in choices:
-            seq = self._seq.get((rollout.id, rollout.attempt), 0)
-            self._seq[(rollout.id, rollout.attempt)] = seq + 1
+            seq = self._seq[key]
+            self._seq[key] = seq + 1
             spans.append(
                 Span.model_construct(
                     id=uuid.uuid4().hex,
@@ -351,13 +366,6 @@ class Gateway:
             self.store.add_spans(spans)
         except LeaseLost as e:
             raise GatewayError(409, str(e), code="rollout_not_running") from None
-
-    def forget(self, rollout_id: str) -> None:
-        """Drop the token-in/token-out memory of a finished rollout."""
-        for key in [k for k in self._histories if k[0] == rollout_id]:
-            del self._histories[key]
-        for skey in [k for k in self._seq if k[0] == rollout_id]:
-            del self._seq[skey]
 
 
 def decode(tokenizer: PreTrainedTokenizerBase, ids: list[int], skip_special: bool) -> str:
