@@ -281,3 +281,36 @@ def test_bounded_memory_recovers_call_numbers_from_the_store(tiny_model_dir: Pat
     finally:
         server.stop()
         store.close()
+
+
+def test_stop_sequences_with_a_real_engine(tiny_model_dir: Path) -> None:
+    from tracerl.engines.hf import HFEngine
+
+    engine = HFEngine(tiny_model_dir, max_batch_size=4)
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    store = SqliteStore(":memory:")
+    gateway = Gateway(store, {"policy": ServedModel("policy", engine, tokenizer)})
+    server = serve_in_thread(create_app(gateway))
+    try:
+        client = _client(server.url)
+        # A random tiny model babbles; a seeded request repeats its babble exactly. Find a
+        # seed whose babble is long enough to cut in the middle.
+        for seed in range(50):
+            ask = {"model": "policy", "messages": MESSAGES, "max_tokens": 24, "seed": seed}
+            full = client.chat.completions.create(**ask).choices[0].message.content or ""
+            if len(full) > 8 and full == full.strip():
+                break
+        assert len(full) > 8
+        stop = full[len(full) // 2 : len(full) // 2 + 2]
+        cut = client.chat.completions.create(**ask, stop=[stop]).choices[0]
+        assert cut.finish_reason == "stop"
+        assert cut.message.content == full[: full.index(stop)].strip()
+        rid = _running_rollout(store)
+        _client(server.url, rid).chat.completions.create(**ask, stop=stop)
+        span = store.spans(rid)[0]
+        text = tokenizer.decode(span.completion_ids)
+        assert stop in text  # the span keeps every sampled token, the stop string included
+    finally:
+        server.stop()
+        engine.close()
+        store.close()
