@@ -36,7 +36,7 @@ The last line printed is one JSON object (MergeReport).
 
     .venv/bin/python bench/merge.py [--rollouts 64 --group-size 8 --reps 3 --threads 2]
 
-Runs with OMP_WAIT_POLICY=PASSIVE unless the caller sets it (see `passive_omp`).
+Runs with OMP_WAIT_POLICY=PASSIVE unless the caller sets it (see `tracerl.ensure_passive_omp`).
 """
 
 from __future__ import annotations
@@ -57,6 +57,7 @@ from pydantic import BaseModel, ConfigDict
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 from transformers.utils import logging as hf_logging
 
+from tracerl import ensure_passive_omp
 from tracerl.algorithms import GRPO, compute_advantages
 from tracerl.algorithms.transitions import spans_to_transitions
 from tracerl.engines.scoring import score_completion
@@ -157,7 +158,7 @@ class MergeReport(BaseModel):
     load_avg_1m: float
     """1-minute load average at the end (the machine is shared: > threads means noise)."""
     omp_wait_policy: str
-    """OMP_WAIT_POLICY of the run (see `passive_omp`)."""
+    """OMP_WAIT_POLICY of the run (see `tracerl.ensure_passive_omp`)."""
 
 
 # ---------------------------------------------------------------- traces
@@ -508,20 +509,8 @@ def _parse_args() -> MergeConfig:
     return MergeConfig(**vars(parser.parse_args()))
 
 
-def passive_omp() -> None:
-    """Re-run this script with OMP_WAIT_POLICY=PASSIVE unless the caller chose a policy.
-
-    With spinning OpenMP workers (the default) a 2-thread torch process collapses 5-15x as
-    soon as another process holds one of the two cores (measured on this machine); passive
-    workers degrade gracefully. libgomp reads the variable when torch loads, hence the exec.
-    """
-    if "OMP_WAIT_POLICY" not in os.environ:
-        os.environ["OMP_WAIT_POLICY"] = "PASSIVE"
-        os.execv(sys.executable, [sys.executable, *sys.argv])
-
-
 def main() -> None:
-    passive_omp()
+    ensure_passive_omp()
     hf_logging.disable_progress_bar()
     cfg = _parse_args()
     started = time.perf_counter()

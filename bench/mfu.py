@@ -32,7 +32,7 @@ The last line printed is one JSON object (MfuReport).
 
     .venv/bin/python bench/mfu.py [--threads 2 --profile --compile]
 
-Runs with OMP_WAIT_POLICY=PASSIVE unless the caller sets it (see `passive_omp`).
+Runs with OMP_WAIT_POLICY=PASSIVE unless the caller sets it (see `tracerl.ensure_passive_omp`).
 """
 
 from __future__ import annotations
@@ -52,6 +52,7 @@ from pydantic import BaseModel, ConfigDict
 from transformers import PreTrainedModel
 from transformers.utils import logging as hf_logging
 
+from tracerl import ensure_passive_omp
 from tracerl.models import TinyModelConfig, build_tiny_model, render_chat
 from tracerl.trainer.loss import policy_loss, token_logprobs
 from tracerl.trainer.packing import MicroBatch, pack
@@ -214,7 +215,7 @@ class MfuReport(BaseModel):
     load_avg_1m: float
     """1-minute load average at the end (the machine is shared: > threads means noise)."""
     omp_wait_policy: str
-    """OMP_WAIT_POLICY of the run (see `passive_omp`)."""
+    """OMP_WAIT_POLICY of the run (see `tracerl.ensure_passive_omp`)."""
 
 
 # ---------------------------------------------------------------- peak
@@ -548,20 +549,8 @@ def _print(r: MfuReport) -> None:
     print(f"  {r.threads} threads (OMP_WAIT_POLICY={r.omp_wait_policy}), load {r.load_avg_1m:.1f}")
 
 
-def passive_omp() -> None:
-    """Re-run this script with OMP_WAIT_POLICY=PASSIVE unless the caller chose a policy.
-
-    With spinning OpenMP workers (the default) a 2-thread torch process collapses 5-15x as
-    soon as another process holds one of the two cores (measured on this machine); passive
-    workers degrade gracefully. libgomp reads the variable when torch loads, hence the exec.
-    """
-    if "OMP_WAIT_POLICY" not in os.environ:
-        os.environ["OMP_WAIT_POLICY"] = "PASSIVE"
-        os.execv(sys.executable, [sys.executable, *sys.argv])
-
-
 def main() -> None:
-    passive_omp()
+    ensure_passive_omp()
     hf_logging.disable_progress_bar()
     cfg = _parse_args()
     started = time.perf_counter()
