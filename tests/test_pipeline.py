@@ -33,11 +33,12 @@ def test_checkpoint_round_trip_and_pruning(tiny_model_dir: Path, tmp_path: Path)
     assert ckpts.latest() is None
     for step in (1, 2, 3):
         trainer.version = step
-        ckpts.save(trainer, step, [f"r{i}" for i in range(step)])
+        ckpts.save(trainer, step, [f"r{i}" for i in range(step)], {"issued": step})
     assert sorted(p.name for p in (tmp_path / "checkpoints").glob("step-*")) == ["step-2", "step-3"]
     fresh = Trainer(tiny_model_dir, TrainerConfig())
-    step, trained = ckpts.restore(fresh)
+    step, trained, source = ckpts.restore(fresh)
     assert (step, trained, fresh.version) == (3, ["r0", "r1", "r2"], 3)
+    assert source == {"issued": 3}
 
 
 def test_cli_overrides_merge_into_file_config() -> None:

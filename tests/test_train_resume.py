@@ -76,3 +76,60 @@ def test_sigkill_mid_step_then_resume(tiny_model_dir: Path, tmp_path: Path) -> N
     interrupted = [r for r in train_rollouts if "/step1/" in (r.group_id or "")]
     assert any(r.attempt == 2 for r in interrupted)  # in flight at the kill, re-run once
     store.close()
+
+
+def test_async_sigkill_with_rollouts_in_flight_then_resume(
+    tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    tasks = tmp_path / "tasks.jsonl"
+    rows = make_tasks(40, "train", 0) + make_tasks(8, "eval", 1)
+    tasks.write_text("".join(json.dumps(t) + "\n" for t in rows))
+    args = [
+        "--name", "crash", "--model", str(tiny_model_dir), "--tasks", str(tasks),
+        "--agent", f"{ROOT}/tests/agents/slow_agent.py:run",
+        "--reward", f"{ROOT}/examples/calculator/reward.py:reward",
+        "--pipeline.mode", "async", "--pipeline.max_staleness", "2",
+        "--pipeline.steps", "4", "--pipeline.tasks_per_step", "4", "--pipeline.group_size", "2",
+        "--pipeline.eval_every", "0", "--no-eval_before", "--runner.lease_s", "2",
+    ]  # fmt: skip
+    run = tmp_path / "runs" / "crash"
+    proc = _train(tmp_path, tiny_model_dir, *args)
+    deadline = time.monotonic() + 240
+    # Kill once a checkpoint exists and rollouts are in flight (generation never stops).
+    while True:
+        assert proc.poll() is None, "training ended before it could be killed"
+        assert time.monotonic() < deadline
+        if (run / "checkpoints" / "latest").exists() and (run / "traces.db").exists():
+            store = SqliteStore(run / "traces.db")
+            busy = [r.id for r in store.rollouts(status=RolloutStatus.running)]
+            store.close()
+            if busy:
+                break
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    latest = (run / "checkpoints" / "latest").read_text().strip()
+    at_kill = json.loads((run / "checkpoints" / latest / "pipeline.json").read_text())
+    store = SqliteStore(run / "traces.db")
+    completed = {r.id for r in store.rollouts(status=RolloutStatus.succeeded) if "/g" in r.group_id}
+    in_flight = {r.id for r in store.rollouts(status=RolloutStatus.running)}
+    store.close()
+
+    resumed = _train(tmp_path, tiny_model_dir, "--resume", str(run))
+    assert resumed.wait(timeout=300) == 0
+    final = json.loads((run / "checkpoints" / "step-4" / "pipeline.json").read_text())
+    trained = final["trained"]
+    assert len(trained) == len(set(trained)), "a rollout was trained twice"
+    assert set(at_kill["trained"]) <= set(trained)
+    store = SqliteStore(run / "traces.db")
+    consumed = set(final["state"]["source"]["consumed"])
+    pending = {
+        r.id
+        for r in store.rollouts()
+        if "/g" in r.group_id and int(r.group_id.split("/g")[1].split("-")[0]) not in consumed
+    }
+    lost = completed - set(trained) - pending
+    assert not lost, f"completed rollouts neither trained nor still pending: {lost}"
+    requeued = [store.get_rollout(i) for i in in_flight]
+    assert requeued and all(r.attempt >= 2 for r in requeued)  # re-run, not lost
+    store.close()

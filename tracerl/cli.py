@@ -17,6 +17,8 @@ from pydantic import BaseModel, ConfigDict, Field
 from pydantic_settings import BaseSettings, CliApp, CliPositionalArg, CliSubCommand
 from rich.console import Console
 
+from tracerl.curation import CurationConfig
+from tracerl.demo import CalculatorRecipe
 from tracerl.pipeline import AlgorithmConfig, PipelineConfig
 from tracerl.runner import RewardFn, RunnerConfig, load_agent, load_callable
 from tracerl.stack import EngineConfig
@@ -24,7 +26,7 @@ from tracerl.train import TrainConfig
 from tracerl.trainer.trainer import TrainerConfig
 
 # Demo defaults, tuned so the weak tiny model learns the calculator task in minutes on CPU.
-DEMO_PIPELINE = PipelineConfig(steps=80, tasks_per_step=16, group_size=8, eval_every=20)
+DEMO_PIPELINE = PipelineConfig(steps=30, tasks_per_step=16, group_size=8, eval_every=10)
 DEMO_TRAINER = TrainerConfig(lr=3e-4, minibatches=2, warmup_steps=5)
 
 console = Console()
@@ -67,16 +69,18 @@ class Demo(_Cmd):
     """Training tasks generated."""
     eval_tasks: int = Field(default=200, ge=1)
     """Held-out tasks to evaluate on."""
-    sft_steps: int | None = None
-    """Warm-start steps for the tiny model (default: the calibrated value)."""
-    seed: int = 0
-    """Seed of the model build."""
+    recipe: CalculatorRecipe = CalculatorRecipe()
+    """How the weak tiny model is built (skill SFT, then a lazy-answer bias)."""
     rebuild: bool = False
     """Rebuild the tiny model even if it is cached."""
+    run_async: bool = Field(default=False, alias="async")
+    """Generate while training (pipeline.mode async, max_staleness as configured)."""
     pipeline: PipelineConfig = DEMO_PIPELINE
     """Scheduling."""
     algorithm: AlgorithmConfig = AlgorithmConfig()
     """Credit assignment."""
+    curation: CurationConfig = CurationConfig()
+    """Data curation (each switch off by default)."""
     trainer: TrainerConfig = DEMO_TRAINER
     """Policy update."""
     runner: RunnerConfig = RunnerConfig(concurrency=64)
@@ -94,7 +98,7 @@ class Demo(_Cmd):
 
         started = time.perf_counter()
         console.print("[bold]tracerl demo[/bold]: calculator agent, tiny model, CPU")
-        model_dir = ensure_calculator_model(self.sft_steps, self.seed, self.rebuild)
+        model_dir = ensure_calculator_model(self.recipe, self.rebuild)
         console.print(f"model: {model_dir} (ready in {time.perf_counter() - started:.0f} s)")
         tasks_mod = example_module("calculator", "tasks")
         train_tasks = [
@@ -111,8 +115,11 @@ class Demo(_Cmd):
             model=str(model_dir),
             agent="examples/calculator/agent.py:run",
             reward="examples/calculator/reward.py:reward",
-            pipeline=self.pipeline,
+            pipeline=self.pipeline.model_copy(update={"mode": "async"})
+            if self.run_async
+            else self.pipeline,
             algorithm=self.algorithm,
+            curation=self.curation,
             trainer=self.trainer,
             runner=self.runner,
             engine=self.engine,
@@ -267,10 +274,9 @@ class Sft(_Cmd):
     base: str | None = None
     """Local HF model dir to start from; default: build a new tiny model on the demos."""
     steps: int | None = None
-    """Optimizer steps (default: the calibrated calculator value)."""
+    """Optimizer steps (default: SftConfig's)."""
     stop_loss: float | None = None
-    """Stop early once the running loss is below this (default: never, unless no --steps
-    is given either, which uses the calibrated calculator warm start)."""
+    """Stop early once the running loss is below this (default: never)."""
     lr: float | None = None
     """Peak learning rate (default: SftConfig's)."""
     seed: int = 0
@@ -291,8 +297,7 @@ class Sft(_Cmd):
         update: dict[str, object] = {"seed": self.seed}
         if self.steps is not None:
             update["steps"] = self.steps
-            update["stop_loss"] = self.stop_loss
-        elif self.stop_loss is not None:
+        if self.stop_loss is not None:
             update["stop_loss"] = self.stop_loss
         if self.lr is not None:
             update["lr"] = self.lr

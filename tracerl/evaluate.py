@@ -102,6 +102,8 @@ def run_rollouts(
 
     def tick(rollout: Rollout) -> None:
         nonlocal wins
+        if rollout.group_id != group_id:
+            return  # another caller's rollout this pool happened to run
         wins += int((rollout.reward or 0) >= 1.0)
         bar.update(1)
         bar.set_postfix(success=f"{wins / max(bar.n, 1):.2f}")

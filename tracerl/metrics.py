@@ -75,3 +75,34 @@ def plot_rewards(metrics_path: Path, out: Path, title: str = "") -> Path:
     fig.savefig(out, dpi=120)
     plt.close(fig)
     return out
+
+
+PIPELINE_PANELS = (
+    ("staleness (versions)", ("pipeline/staleness_mean", "pipeline/staleness_max")),
+    ("trainer idle (s / step)", ("time/trainer_idle_s",)),
+    ("runner utilisation", ("runner/utilisation",)),
+    ("rollouts / s", ("pipeline/rollouts_per_s",)),
+)
+"""pipeline.png's panels: a title and the metrics drawn in it."""
+
+
+def plot_pipeline(metrics_path: Path, out: Path, title: str = "") -> Path:
+    """pipeline.png: staleness, trainer idle time, runner utilisation, rollouts/s by step."""
+    rows = read_metrics(metrics_path)
+    fig, axes = plt.subplots(2, 2, figsize=(9, 6), sharex=True)
+    for ax, (name, keys) in zip(axes.flat, PIPELINE_PANELS, strict=True):
+        for key in keys:
+            points = [(r["step"], r[key]) for r in rows if r.get(key) is not None]
+            if points:
+                ax.plot(*zip(*points, strict=True), label=key.split("/")[-1])
+        ax.set_title(name, fontsize=10)
+        ax.grid(alpha=0.3)
+        if len(keys) > 1:
+            ax.legend(fontsize=8)
+    for ax in axes[1]:
+        ax.set_xlabel("training step")
+    fig.suptitle(title or metrics_path.parent.name)
+    fig.tight_layout()
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+    return out

@@ -15,27 +15,49 @@ not generated or trained twice.
 
 from __future__ import annotations
 
-import asyncio
 import json
 import os
-import random
 import shutil
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal, Protocol
+from typing import Literal
 
 import torch
 from pydantic import BaseModel, ConfigDict, Field
 
 from tracerl.algorithms import GRPO, RLOO, Algorithm, DrGRPO, compute_advantages
 from tracerl.algorithms.transitions import spans_to_transitions
+from tracerl.curation import Curator, rollout_costs
 from tracerl.engines.base import Engine
 from tracerl.runner import AgentFn, RewardFn, Runner, RunnerConfig
+from tracerl.sources import (
+    AsyncSource,
+    Group,
+    GroupSize,
+    RolloutSource,
+    SourceStats,
+    SyncSource,
+    TaskOrder,
+    is_trainable,
+)
 from tracerl.store import Store
 from tracerl.trainer.trainer import Trainer, TrainMetrics
-from tracerl.types import PolicyVersion, Rollout, RolloutStatus, Task, Transition
+from tracerl.types import PolicyVersion, Rollout, Task, Transition
+
+__all__ = [
+    "AlgorithmConfig",
+    "Checkpoints",
+    "Group",
+    "Pipeline",
+    "PipelineConfig",
+    "RolloutSource",
+    "StepReport",
+    "TaskOrder",
+    "make_source",
+    "rows_for",
+]
 
 
 class AlgorithmConfig(BaseModel):
@@ -64,8 +86,19 @@ class PipelineConfig(BaseModel):
 
     model_config = ConfigDict(use_attribute_docstrings=True, extra="forbid")
 
-    mode: Literal["sync"] = "sync"
-    """'sync': each step generates its batch, then trains on it."""
+    mode: Literal["sync", "async"] = "sync"
+    """'sync': each step generates its batch, then trains on it. 'async': runners and the
+    engine keep generating while the trainer trains (see tracerl.sources.AsyncSource)."""
+    max_staleness: int = Field(default=2, ge=0)
+    """async: a rollout sampled by a policy older than current - max_staleness is not
+    trained on; also bounds how far generation runs ahead ((k + 1) x tasks_per_step groups
+    pending at most)."""
+    window: int | None = Field(default=None, ge=1)
+    """async: the trainer may take any complete group among the oldest `window` pending
+    ones (windowed FIFO); default 2 x tasks_per_step."""
+    stale: Literal["drop", "requeue"] = "requeue"
+    """async: what happens to a too-stale rollout: dropped, or its task re-run in the same
+    group (counted either way in metrics)."""
     steps: int = Field(default=30, ge=1)
     """Training steps (policy versions published)."""
     tasks_per_step: int = Field(default=16, ge=1)
@@ -84,81 +117,12 @@ class PipelineConfig(BaseModel):
     """Seed of the task order."""
 
 
-@dataclass
-class Group:
-    """The finished rollouts of one task in one step."""
-
-    id: str
-    task: Task
-    rollouts: list[Rollout]
-
-
-class RolloutSource(Protocol):
-    """Where training batches come from; the seam between generation and training."""
-
-    def batch(self, step: int) -> list[Group]:
-        """Finished groups to train on at `step`."""
-        ...
-
-
-class TaskOrder:
-    """Train tasks in a seeded order that reshuffles each epoch; position = step index."""
-
-    def __init__(self, tasks: list[Task], per_step: int, seed: int) -> None:
-        self.tasks, self.per_step, self.seed = tasks, per_step, seed
-
-    def at(self, step: int) -> list[Task]:
-        """The tasks of `step` (a pure function of step, so resuming needs no cursor)."""
-        out = []
-        for k in range(step * self.per_step, (step + 1) * self.per_step):
-            epoch, pos = divmod(k, len(self.tasks))
-            order = list(range(len(self.tasks)))
-            random.Random(self.seed * 100_003 + epoch).shuffle(order)
-            out.append(self.tasks[order[pos]])
-        return out
-
-
-class SyncSource:
-    """Issues a step's rollouts and waits for all of them (reusing any already issued)."""
-
-    def __init__(
-        self,
-        run: str,
-        store: Store,
-        runner: Runner,
-        order: TaskOrder,
-        group_size: int,
-        max_attempts: int = 3,
-    ) -> None:
-        self.run, self.store, self.runner = run, store, runner
-        self.order, self.group_size, self.max_attempts = order, group_size, max_attempts
-
-    def group_id(self, step: int, index: int, task: Task) -> str:
-        """Deterministic, so a resumed run finds the groups it had issued."""
-        return f"{self.run}/step{step}/{index}-{task.id}"
-
-    def batch(self, step: int) -> list[Group]:
-        tasks = self.order.at(step)
-        self.store.add_tasks(list({t.id: t for t in tasks}.values()))
-        ids = []
-        for i, task in enumerate(tasks):
-            gid = self.group_id(step, i, task)
-            if not self.store.rollouts(group_id=gid):
-                self.store.enqueue([task.id] * self.group_size, gid, self.max_attempts)
-            ids.append(gid)
-        asyncio.run(self.runner.run(until_idle=True))
-        return [
-            Group(gid, task, self.store.rollouts(group_id=gid))
-            for gid, task in zip(ids, tasks, strict=True)
-        ]
-
-
 def rows_for(store: Store, groups: list[Group], algorithm: Algorithm) -> list[Transition]:
     """Spans of finished groups -> credit-assigned rows."""
     rows: list[Transition] = []
     for group in groups:
         for r in group.rollouts:
-            if r.status not in (RolloutStatus.succeeded, RolloutStatus.failed):
+            if not is_trainable(r):
                 continue  # timed out by the runner or lost: no outcome to learn from
             steps = {w.span_seq: w.value for w in store.rewards(r.id) if w.span_seq is not None}
             rows += spans_to_transitions(
@@ -178,7 +142,13 @@ class Checkpoints:
         self.root = run_dir / "checkpoints"
         self.keep = keep
 
-    def save(self, trainer: Trainer, step: int, trained: list[str]) -> Path:
+    def save(
+        self,
+        trainer: Trainer,
+        step: int,
+        trained: list[str],
+        state: dict[str, object] | None = None,
+    ) -> Path:
         """Write a checkpoint for `step` (the number of steps done)."""
         path = self.root / f"step-{step}"
         tmp = self.root / f".step-{step}.tmp"
@@ -186,7 +156,8 @@ class Checkpoints:
         tmp.mkdir(parents=True)
         trainer.save_model(tmp / "model")
         torch.save(trainer.state(), tmp / "trainer.pt")
-        (tmp / "pipeline.json").write_text(json.dumps({"step": step, "trained": trained}))
+        info = {"step": step, "trained": trained, "state": state or {}}
+        (tmp / "pipeline.json").write_text(json.dumps(info))
         shutil.rmtree(path, ignore_errors=True)
         tmp.rename(path)
         pointer = self.root / ".latest.tmp"
@@ -211,15 +182,16 @@ class Checkpoints:
         path = self.root / pointer.read_text().strip()
         return path if (path / "pipeline.json").exists() else None
 
-    def restore(self, trainer: Trainer) -> tuple[int, list[str]]:
-        """Load the newest checkpoint into `trainer`; returns (step, trained rollout ids)."""
+    def restore(self, trainer: Trainer) -> tuple[int, list[str], dict[str, object]]:
+        """Load the newest checkpoint into `trainer`; returns (step, trained rollout ids,
+        the state of the source and curation)."""
         path = self.latest()
         if path is None:
-            return 0, []
+            return 0, [], {}
         trainer.load_weights(path / "model")
         trainer.load_state(torch.load(path / "trainer.pt", weights_only=False))
         info = json.loads((path / "pipeline.json").read_text())
-        return int(info["step"]), list(info["trained"])
+        return int(info["step"]), list(info["trained"]), dict(info.get("state", {}))
 
 
 @dataclass
@@ -233,6 +205,8 @@ class StepReport:
     rows: int
     generate_s: float
     train: TrainMetrics
+    source: SourceStats
+    curation: dict[str, float]
 
 
 class Pipeline:
@@ -248,16 +222,20 @@ class Pipeline:
         checkpoints: Checkpoints,
         cfg: PipelineConfig,
         role: str = "policy",
+        curator: Curator | None = None,
     ) -> None:
         self.source, self.store, self.engine = source, store, engine
         self.trainer, self.algorithm, self.checkpoints = trainer, algorithm, checkpoints
-        self.cfg, self.role = cfg, role
+        self.cfg, self.role, self.curator = cfg, role, curator
         self.step = 0
         self.trained: list[str] = []
 
     def resume(self) -> int:
         """Restore the newest checkpoint and serve its weights; returns the step to run."""
-        self.step, self.trained = self.checkpoints.restore(self.trainer)
+        self.step, self.trained, state = self.checkpoints.restore(self.trainer)
+        self.source.load_state(state.get("source", {}))  # type: ignore[arg-type]
+        if self.curator is not None:
+            self.curator.load_state(state.get("curation", {}))  # type: ignore[arg-type]
         if self.step:
             self.publish()
         return self.step
@@ -269,21 +247,32 @@ class Pipeline:
         path = str(self.checkpoints.root / f"step-{self.step}" / "model")
         self.store.publish_version(PolicyVersion(version=version, path=path, role=self.role))
 
+    def _untrained(self, group: Group) -> list[Rollout]:
+        """The group's rollouts not trained on before (a resumed step's), plus any replayed
+        from another group (replay trains a stored success again, on purpose)."""
+        done = set(self.trained)
+        return [r for r in group.rollouts if r.id not in done or r.group_id != group.id]
+
     def run_step(self) -> StepReport:
         """Generate (or collect) one batch, train on it, publish, checkpoint."""
         started = time.perf_counter()
         groups = self.source.batch(self.step)
         generated = time.perf_counter() - started
-        done = set(self.trained)
-        fresh = [Group(g.id, g.task, [r for r in g.rollouts if r.id not in done]) for g in groups]
+        fresh = [Group(g.id, g.task, self._untrained(g)) for g in groups]
         rows = rows_for(self.store, fresh, self.algorithm)
+        if self.curator is not None and self.curator.needs_costs:
+            costs = rollout_costs(self.store, fresh, self.curator.cfg.secondary)
+            rows = self.curator.advantages(rows, costs)
         rollouts = [r for g in fresh for r in g.rollouts]
         metrics = self.trainer.train(rows)
         self.step += 1
-        self.trained += [r.id for r in rollouts]
+        self.trained += [r.id for g in fresh for r in g.rollouts if r.group_id == g.id]
         self.publish()
         if self.step % self.cfg.checkpoint_every == 0 or self.step == self.cfg.steps:
-            self.checkpoints.save(self.trainer, self.step, self.trained)
+            state: dict[str, object] = {"source": self.source.state()}
+            if self.curator is not None:
+                state["curation"] = self.curator.state()
+            self.checkpoints.save(self.trainer, self.step, self.trained, state)
         rewards = [r.reward or 0.0 for r in rollouts]
         return StepReport(
             step=self.step,
@@ -293,6 +282,8 @@ class Pipeline:
             rows=len(rows),
             generate_s=generated,
             train=metrics,
+            source=self.source.stats,
+            curation=self.curator.metrics() if self.curator is not None else {},
         )
 
 
@@ -306,9 +297,29 @@ def make_source(
     cfg: PipelineConfig,
     runner_cfg: RunnerConfig,
     on_finish: Callable[[Rollout], None] | None = None,
-) -> SyncSource:
-    """The rollout source for cfg.mode."""
+    version: Callable[[], int] | None = None,
+    curator: Curator | None = None,
+) -> SyncSource | AsyncSource:
+    """The rollout source for cfg.mode; `version` (the trainer's) is needed for 'async'."""
     runner = Runner(store, gateway_url, agent, reward_fn, runner_cfg, on_finish=on_finish)
-    return SyncSource(
-        run, store, runner, TaskOrder(tasks, cfg.tasks_per_step, cfg.seed), cfg.group_size
+    order = TaskOrder(tasks, cfg.tasks_per_step, cfg.seed)
+    size: int | GroupSize = cfg.group_size
+    curate = None
+    if curator is not None:
+        size, curate = (lambda t: curator.group_size(t.id)), curator.curate
+    if cfg.mode == "sync":
+        return SyncSource(run, store, runner, order, size, curate=curate)
+    if version is None:
+        raise ValueError("the async source needs the trainer's version")
+    return AsyncSource(
+        run,
+        store,
+        runner,
+        order,
+        size,
+        version,
+        max_staleness=cfg.max_staleness,
+        window=cfg.window,
+        stale=cfg.stale,
+        curate=curate,
     )

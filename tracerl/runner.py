@@ -25,6 +25,7 @@ import json
 import os
 import shlex
 import sys
+import time
 import traceback
 import uuid
 from collections.abc import Awaitable, Callable
@@ -192,6 +193,8 @@ class Runner:
         self.id = runner_id or f"runner-{uuid.uuid4().hex[:8]}"
         self.on_finish = on_finish or (lambda r: None)
         self.finished = 0
+        self.busy_s = 0.0
+        """Summed wall time of rollouts run (for utilisation: busy_s / (slots x wall))."""
 
     async def run(self, until_idle: bool = True, stop: asyncio.Event | None = None) -> None:
         """Run workers until nothing is queued or running (until_idle) or `stop` is set.
@@ -227,6 +230,13 @@ class Runner:
 
     async def run_one(self, rollout: Rollout) -> None:
         """Run one claimed rollout to a final state (or abandon it if its lease is lost)."""
+        started = time.perf_counter()
+        try:
+            await self._run_one(rollout)
+        finally:
+            self.busy_s += time.perf_counter() - started
+
+    async def _run_one(self, rollout: Rollout) -> None:
         task = await asyncio.to_thread(self.store.get_task, rollout.task_id)
         base_url = f"{self.gateway_url}/rollouts/{rollout.id}/v1"
         run: asyncio.Future[AgentResult] = asyncio.ensure_future(

@@ -3,7 +3,7 @@
 `train(cfg)` evaluates the agent on held-out tasks, trains for cfg.pipeline.steps steps
 through the gateway (the agent code unchanged), evaluates again, and leaves in
 runs/<name>/: the resolved config, metrics.jsonl, TensorBoard events (tb/), checkpoints,
-the final model (model/), reward.png and summary.json.
+the final model (model/), reward.png, pipeline.png and summary.json.
 """
 
 from __future__ import annotations
@@ -16,8 +16,9 @@ from pathlib import Path
 from pydantic import BaseModel, ConfigDict, Field
 from tqdm import tqdm
 
+from tracerl.curation import CurationConfig, Curator
 from tracerl.evaluate import EvalReport, evaluate, load_tasks
-from tracerl.metrics import MetricsLog, plot_rewards
+from tracerl.metrics import MetricsLog, plot_pipeline, plot_rewards
 from tracerl.pipeline import (
     AlgorithmConfig,
     Checkpoints,
@@ -27,6 +28,7 @@ from tracerl.pipeline import (
     make_source,
 )
 from tracerl.runner import AgentFn, RewardFn, RunnerConfig, load_agent, load_callable
+from tracerl.sources import AsyncSource, SyncSource
 from tracerl.stack import EngineConfig, LocalStack, start_stack
 from tracerl.trainer.trainer import Trainer, TrainerConfig
 from tracerl.types import Task
@@ -59,6 +61,9 @@ class TrainConfig(BaseModel):
     """Scheduling."""
     algorithm: AlgorithmConfig = AlgorithmConfig()
     """Credit assignment."""
+    curation: CurationConfig = CurationConfig()
+    """Data curation: dynamic sampling, replay, adaptive group size, conditional advantage
+    (each off by default)."""
     trainer: TrainerConfig = TrainerConfig()
     """Policy update."""
     runner: RunnerConfig = RunnerConfig()
@@ -145,9 +150,56 @@ def _run(
     trainer_cfg = cfg.trainer
     trainer = Trainer(cfg.model, trainer_cfg, cfg.device)
     runner_cfg = cfg.runner.model_copy(update={"model": cfg.model_name})
+    curator = None
+    if cfg.curation.enabled:
+        curator = Curator(cfg.curation, cfg.pipeline.group_size)
     source = make_source(
-        cfg.name, stack.store, stack.url, agent, reward_fn, train_tasks, cfg.pipeline, runner_cfg
+        cfg.name,
+        stack.store,
+        stack.url,
+        agent,
+        reward_fn,
+        train_tasks,
+        cfg.pipeline,
+        runner_cfg,
+        version=lambda: trainer.version,
+        curator=curator,
     )
+    try:
+        return _loop(
+            cfg,
+            run_dir,
+            stack,
+            log,
+            agent,
+            reward_fn,
+            held_out,
+            resume,
+            started,
+            trainer,
+            source,
+            runner_cfg,
+            curator,
+        )
+    finally:
+        source.close()
+
+
+def _loop(
+    cfg: TrainConfig,
+    run_dir: Path,
+    stack: LocalStack,
+    log: MetricsLog,
+    agent: AgentFn,
+    reward_fn: RewardFn | None,
+    held_out: list[Task],
+    resume: bool,
+    started: float,
+    trainer: Trainer,
+    source: SyncSource | AsyncSource,
+    runner_cfg: RunnerConfig,
+    curator: Curator | None,
+) -> TrainSummary:
     pipeline = Pipeline(
         source,
         stack.store,
@@ -157,14 +209,30 @@ def _run(
         Checkpoints(run_dir, cfg.pipeline.keep_checkpoints),
         cfg.pipeline,
         cfg.model_name,
+        curator,
     )
     if resume:
         # The previous process's runners are dead: their leases will not be renewed.
         stack.store.requeue_expired(now=float("inf"))
         pipeline.resume()
 
+    eval_s = 0.0
+
     def held_out_eval(tasks: list[Task], label: str) -> EvalReport:
-        return evaluate(stack.store, stack.url, agent, reward_fn, tasks, 1, runner_cfg, desc=label)
+        # Async generation pauses issuing while held-out tasks run, so the evaluation's
+        # pool can drain the queue; its time is kept out of the training wall clock.
+        nonlocal eval_s
+        t0 = time.perf_counter()
+        if isinstance(source, AsyncSource):
+            source.pause(True)
+        try:
+            return evaluate(
+                stack.store, stack.url, agent, reward_fn, tasks, 1, runner_cfg, desc=label
+            )
+        finally:
+            if isinstance(source, AsyncSource):
+                source.pause(False)
+            eval_s += time.perf_counter() - t0
 
     before = None
     if cfg.eval_before and pipeline.step == 0:
@@ -173,7 +241,11 @@ def _run(
     bar = tqdm(total=cfg.pipeline.steps, initial=pipeline.step, desc="train", unit="step")
     while pipeline.step < cfg.pipeline.steps:
         report = pipeline.run_step()
-        values = _step_values(report)
+        values = _step_values(report) | report.curation
+        values["time/wall_s"] = time.perf_counter() - started
+        values["time/train_wall_s"] = time.perf_counter() - started - eval_s
+        if isinstance(source, AsyncSource):
+            values["runner/utilisation"] = source.utilisation()
         every = cfg.pipeline.eval_every
         if every and report.step % every == 0 and report.step < cfg.pipeline.steps:
             values["eval/success"] = held_out_eval(
@@ -191,6 +263,7 @@ def _run(
     after = held_out_eval(held_out, "eval after").success_rate
     log.log(pipeline.step, {"eval/success": after, "eval/final": after})
     plot_rewards(log.path, run_dir / "reward.png", cfg.name)
+    plot_pipeline(log.path, run_dir / "pipeline.png", cfg.name)
     _save_outputs(trainer, stack, cfg, run_dir)
     summary = TrainSummary(
         success_before=before,
@@ -236,10 +309,21 @@ def _step_values(report: StepReport) -> dict[str, float | int | str | None]:
         "train/tis_capped_fraction": t.tis_capped_fraction,
         "train/kl_behaviour": t.kl_behaviour,
         "train/kl_reference": t.kl_reference,
+        "train/is_masked_fraction": t.is_masked_fraction,
+        "train/entropy_kept_fraction": t.entropy_kept_fraction,
+        "train/entropy": t.entropy,
         "train/tokens": t.tokens,
         "train/tokens_per_s": t.tokens_per_s,
         "time/generate_s": report.generate_s,
         "time/train_s": t.wall_s,
+        "time/trainer_idle_s": report.source.wait_s,
+        "pipeline/staleness_mean": report.source.staleness_mean,
+        "pipeline/staleness_max": report.source.staleness_max,
+        "pipeline/stale_dropped": report.source.stale_dropped,
+        "pipeline/stale_requeued": report.source.stale_requeued,
+        "pipeline/dropped_zero_variance": report.source.dropped_zero_variance,
+        "pipeline/pending_groups": report.source.pending_groups,
+        "pipeline/rollouts_per_s": report.rollouts / max(report.generate_s + t.wall_s, 1e-9),
     }
 
 

@@ -10,9 +10,12 @@ from __future__ import annotations
 import ast
 import functools
 import json
+import math
 import operator
 import os
+import random
 import sys
+import time
 
 import httpx
 from openai import OpenAI
@@ -62,6 +65,16 @@ def calculate(expression: str) -> str:
         return "error"
 
 
+def tool_latency() -> float:
+    """Simulated tool latency in seconds: CALCULATOR_TOOL_LATENCY="MEDIAN_S,SIGMA" draws a
+    log-normal sleep (a long tail, like a real API's); unset means none."""
+    spec = os.environ.get("CALCULATOR_TOOL_LATENCY")
+    if not spec:
+        return 0.0
+    median, sigma = (float(x) for x in spec.split(","))
+    return random.lognormvariate(math.log(median), sigma)
+
+
 @functools.cache
 def _http() -> httpx.Client:
     # One connection pool for every client this process makes: building an HTTP client
@@ -89,6 +102,7 @@ def run(task: dict, *, base_url: str, api_key: str, model: str) -> str:
                 expression = json.loads(call.function.arguments).get("expression", "")
             except (json.JSONDecodeError, AttributeError):
                 expression = ""
+            time.sleep(tool_latency())
             messages.append(
                 {"role": "tool", "tool_call_id": call.id, "content": calculate(str(expression))}
             )

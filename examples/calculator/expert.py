@@ -52,14 +52,30 @@ def _call(expression: str, call_id: str) -> dict:
     }
 
 
-def demonstration(rng: random.Random, question: str, index: int, noise: float) -> list[dict]:
-    """One conversation; with probability `noise` it holds one of three kinds of mistake."""
+MISTAKES = ("typo", "no_tool", "copy")
+"""The kinds of mistake: mistype the expression, guess without the tool, miscopy the result;
+"echo" (answer with the expression itself, unevaluated) and "give_up" (answer without a
+number) are available on request."""
+
+
+def demonstration(
+    rng: random.Random,
+    question: str,
+    index: int,
+    noise: float,
+    mistakes: tuple[str, ...] = MISTAKES,
+) -> list[dict]:
+    """One conversation; with probability `noise` it holds one of `mistakes`."""
     head = [{"role": "system", "content": SYSTEM_PROMPT}, {"role": "user", "content": question}]
     expression = _expression(question)
-    mistake = rng.choice(["typo", "no_tool", "copy"]) if rng.random() < noise else None
+    mistake = rng.choice(mistakes) if rng.random() < noise else None
     if mistake == "no_tool":  # guesses without the calculator, and guesses wrong
         guess = _wrong_digit(rng, calculate(expression))
         return [*head, {"role": "assistant", "content": guess}]
+    if mistake == "echo":  # answers without working it out: repeats the expression
+        return [*head, {"role": "assistant", "content": expression}]
+    if mistake == "give_up":  # does not try: no tool, no number
+        return [*head, {"role": "assistant", "content": "I cannot compute that."}]
     if mistake == "typo":  # mistypes a digit of the expression, then trusts the result
         expression = _wrong_digit(rng, expression)
     call_id = f"call_{index}"
@@ -73,7 +89,9 @@ def demonstration(rng: random.Random, question: str, index: int, noise: float) -
     ]
 
 
-def demonstrations(n: int, seed: int = DEFAULT_SEED, noise: float = 0.1) -> list[dict]:
+def demonstrations(
+    n: int, seed: int = DEFAULT_SEED, noise: float = 0.1, mistakes: tuple[str, ...] = MISTAKES
+) -> list[dict]:
     """n demos ({"messages", "tools"}) on train-split tasks drawn with `seed` (not the eval seed)."""
     if seed == EVAL_SEED:
         raise ValueError(f"seed {EVAL_SEED} draws the eval tasks; pick another")
@@ -81,7 +99,7 @@ def demonstrations(n: int, seed: int = DEFAULT_SEED, noise: float = 0.1) -> list
     tasks = make_tasks(n, "train", seed)
     return [
         {
-            "messages": demonstration(rng, task["input"]["question"], i, noise),
+            "messages": demonstration(rng, task["input"]["question"], i, noise, mistakes),
             "tools": TOOLS,
         }
         for i, task in enumerate(tasks)

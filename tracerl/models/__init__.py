@@ -3,7 +3,6 @@ a supervised warm start from demonstrations. Nothing here downloads anything; an
 model directory works the same way downstream."""
 
 from tracerl.models.sft import (
-    CALCULATOR_SFT_STEPS,
     Demo,
     EncodedDemo,
     SftConfig,
@@ -22,7 +21,6 @@ from tracerl.models.tiny import TinyModelConfig, build_tiny_model
 from tracerl.models.tokenizer import train_tokenizer
 
 __all__ = [
-    "CALCULATOR_SFT_STEPS",
     "CHAT_TEMPLATE",
     "SPECIAL_TOKENS",
     "Demo",

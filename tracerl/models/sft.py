@@ -28,8 +28,6 @@ from transformers import (
 )
 
 __all__ = [
-    "CALCULATOR_SFT_STEPS",
-    "CALCULATOR_SFT_STOP_LOSS",
     "Demo",
     "EncodedDemo",
     "SftConfig",
@@ -38,14 +36,6 @@ __all__ = [
     "load_demos",
     "sft",
 ]
-
-# Calibrated by bench/sft_curve.py on the tiny model and 2,000 expert calculator demos.
-# Learning to copy digits is a sudden transition whose step varies with the data order
-# (between ~100 and ~250 steps at lr 2e-3), so a fixed step count gives anywhere from 5%
-# to 80% success; stopping at a loss instead lands at 26-34% success at temperature 1 for
-# the four seeds tried — weak, with room for RL. The step count is the cap.
-CALCULATOR_SFT_STEPS = 400
-CALCULATOR_SFT_STOP_LOSS = 0.12
 
 
 class _Record(BaseModel):
@@ -71,13 +61,13 @@ class EncodedDemo(_Record):
 
 
 class SftConfig(_Record):
-    """How to fine-tune; the defaults are the calibrated calculator warm start."""
+    """How to fine-tune."""
 
-    steps: int = CALCULATOR_SFT_STEPS
+    steps: int = 1000
     """Optimizer steps at most; the learning-rate schedule spans this many."""
-    stop_loss: float | None = CALCULATOR_SFT_STOP_LOSS
+    stop_loss: float | None = None
     """Stop once the mean loss of the last log_every steps is below this; None trains
-    all `steps`. The default is the calculator's weak warm start: set None for others."""
+    all `steps`."""
     batch_size: int = 16
     """Conversations per step."""
     lr: float = 2e-3

@@ -1,5 +1,6 @@
-"""The policy loss: PPO-clip with a truncated importance-sampling correction, and the
-per-token log-probs it needs.
+"""The policy loss: PPO-clip with a decoupled behaviour-policy correction (truncated,
+masked or filtered importance sampling), optional high-entropy token selection, and the
+per-token log-probs and entropies it needs.
 
 Three log-probs meet here, all of the token the policy sampled:
 - behaviour: what the engine that sampled the token reported (recorded in the span);
@@ -8,24 +9,36 @@ Three log-probs meet here, all of the token the policy sampled:
   numerics;
 - current: the trainer's log-prob now, with gradient.
 The PPO ratio is current/proximal; the gap behaviour -> proximal (stale versions, engine
-numerics) is corrected by a detached importance weight min(proximal/behaviour, tis_cap).
+numerics, replayed rollouts) is corrected by a detached importance weight built from
+proximal/behaviour: truncated at tis_cap (default), or masked per token, or filtered per
+row when it leaves [is_low, is_high] (see `LossConfig.is_mode`).
 """
 
 from __future__ import annotations
 
+import math
 from typing import Literal
 
 import torch
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 from torch import Tensor
 
-__all__ = ["LossConfig", "LossMetrics", "loss_weights", "policy_loss", "token_logprobs"]
+__all__ = [
+    "LossConfig",
+    "LossMetrics",
+    "entropy_selection",
+    "importance_weights",
+    "loss_weights",
+    "policy_loss",
+    "token_entropy",
+    "token_logprobs",
+]
 
 
 class LossConfig(BaseModel):
     """How the policy loss is computed."""
 
-    model_config = ConfigDict(frozen=True, extra="forbid")
+    model_config = ConfigDict(frozen=True, extra="forbid", use_attribute_docstrings=True)
 
     clip_low: float = 0.2
     """The ratio is clipped below at 1 - clip_low."""
@@ -33,12 +46,37 @@ class LossConfig(BaseModel):
     """The ratio is clipped above at 1 + clip_high (DAPO clip-higher: > clip_low keeps
     exploration alive on low-probability tokens)."""
     tis_cap: float | None = 2.0
-    """Cap of the behaviour -> proximal importance weight; None turns the correction off."""
+    """Cap of the behaviour -> proximal importance weight w = exp(proximal - behaviour) in
+    the 'truncate' and 'filter' modes; None there turns the correction off (weight 1)."""
+    is_mode: Literal["truncate", "mask", "filter"] = "truncate"
+    """How w = exp(proximal - behaviour) weights each sampled token's surrogate:
+    'truncate' (TIS): min(w, tis_cap), every token kept;
+    'mask' (MIS): w where is_low <= w <= is_high, 0 (token masked) elsewhere; no cap;
+    'filter' (F-TIS): a row whose mean log-weight over its sampled tokens (the log of the
+    geometric-mean weight) lies outside [log is_low, log is_high] is dropped whole (weight 0
+    on all its tokens); the kept rows' tokens get min(w, tis_cap).
+    Masked or dropped tokens stay in the loss denominator as zero-weight samples, so the
+    loss scale does not jump with the masked share and micro-batch accumulation is exact."""
+    is_low: float = Field(default=0.5, gt=0)
+    """Lower bound of the accepted importance weight ('mask': per token; 'filter': per row,
+    geometric mean)."""
+    is_high: float = Field(default=2.0, gt=0)
+    """Upper bound of the accepted importance weight (see is_low)."""
+    entropy_top_q: float | None = Field(default=None, gt=0, le=1)
+    """When set, only the top-q fraction of the sampled tokens of one loss call (one
+    micro-batch), ranked by the current policy's entropy at that position (detached), carry
+    loss; the others are masked (zero loss, kept in the denominator). None: all tokens."""
     aggregation: Literal["token", "sequence"] = "token"
     """'token': weighted mean over all sampled tokens of the batch; 'sequence': mean over
     each row's sampled tokens, then weighted mean over rows."""
     kl_coef: float = 0.0
     """Weight of the k3 KL estimator to a reference policy; 0 turns it off."""
+
+    @model_validator(mode="after")
+    def _bounds(self) -> LossConfig:
+        if not self.is_low <= 1.0 <= self.is_high:
+            raise ValueError("is_low <= 1 <= is_high is required (weight 1 must be accepted)")
+        return self
 
 
 class LossMetrics(BaseModel):
@@ -57,7 +95,13 @@ class LossMetrics(BaseModel):
     tis_ratio_max: float
     """Largest exp(proximal - behaviour), before the cap."""
     tis_capped_fraction: float
-    """Fraction of tokens whose importance weight was capped (0 when the cap is off)."""
+    """Fraction of tokens whose importance weight was capped (0 when the cap is off, in
+    'mask' mode, and for tokens of rows dropped by 'filter')."""
+    is_masked_fraction: float
+    """Fraction of tokens whose importance weight was set to 0 by the 'mask' or 'filter'
+    mode (0 in 'truncate' mode)."""
+    entropy_kept_fraction: float
+    """Fraction of tokens kept by the entropy top-q selection (1 when it is off)."""
     approx_kl: float
     """KL(behaviour || current), k3 estimator: mean of r - 1 - log r, r = current/behaviour."""
     ref_kl: float | None = None
@@ -108,6 +152,74 @@ def loss_weights(
     return W_BT
 
 
+@torch.no_grad()
+def token_entropy(
+    logits_BTV: Tensor,
+    temperature: float | Tensor = 1.0,
+    chunk_size: int = 1024,
+) -> Tensor:
+    """Entropy of the distribution each token was drawn from, aligned like `token_logprobs`.
+
+    logits_BTV: [B, T, V]; temperature: a float or a [B] tensor.
+    Returns ent_BT: [B, T] (fp32, detached), ent[:, t] = H(softmax(logits[:, t-1] / temp)),
+    the entropy of the prediction of token t; ent[:, 0] = 0. Chunked like `token_logprobs`.
+    """
+    B, T, _ = logits_BTV.shape
+    temp = temperature.view(-1, 1, 1) if isinstance(temperature, Tensor) else temperature
+    parts = [logits_BTV.new_zeros(B, 1, dtype=torch.float32)]
+    for s in range(0, T - 1, chunk_size):
+        e = min(s + chunk_size, T - 1)
+        logp_BCV = torch.log_softmax(logits_BTV[:, s:e].float() / temp, dim=-1)
+        parts.append(-(logp_BCV.exp() * logp_BCV).sum(dim=-1))
+    return torch.cat(parts, dim=1)
+
+
+def entropy_selection(entropy_BT: Tensor, mask_BT: Tensor, top_q: float | None) -> Tensor:
+    """Bool [B, T]: the sampled tokens whose entropy is among the top `top_q` fraction.
+
+    k = ceil(top_q x sampled tokens) (at least 1); a token is kept when its entropy is >= the
+    k-th largest sampled entropy, so ties at the threshold are all kept. None keeps every
+    sampled token.
+    """
+    m_BT = mask_BT.bool()
+    vals = entropy_BT.detach()[m_BT]
+    if top_q is None or vals.numel() == 0:
+        return m_BT
+    # The epsilon keeps float dust (0.3 * 10 = 3.0000000000000004) from adding a token.
+    k = max(1, math.ceil(top_q * vals.numel() - 1e-9))
+    threshold = torch.topk(vals, k).values[-1]
+    return m_BT & (entropy_BT.detach() >= threshold)
+
+
+def importance_weights(
+    log_w_BT: Tensor, mask_BT: Tensor, cfg: LossConfig
+) -> tuple[Tensor, Tensor, Tensor]:
+    """The detached behaviour -> proximal weight of each token under `cfg.is_mode`.
+
+    log_w_BT: [B, T] log w = proximal - behaviour (0 where mask_BT is 0).
+    Returns (weight_BT, masked_BT, capped_BT): the weight each token's surrogate is
+    multiplied by, which sampled tokens the mode set to 0, and which were capped.
+    """
+    m_BT = mask_BT.bool()
+    w_BT = torch.exp(log_w_BT)
+    none_BT = torch.zeros_like(m_BT)
+    if cfg.tis_cap is None:
+        truncated_BT, capped_BT = torch.ones_like(w_BT), none_BT
+    else:
+        truncated_BT, capped_BT = w_BT.clamp(max=cfg.tis_cap), (w_BT > cfg.tis_cap) & m_BT
+    if cfg.is_mode == "truncate":
+        return truncated_BT, none_BT, capped_BT
+    if cfg.is_mode == "mask":
+        out_BT = ((w_BT < cfg.is_low) | (w_BT > cfg.is_high)) & m_BT
+        return torch.where(out_BT, 0.0, w_BT), out_BT, none_BT
+    # filter: the row's mean log-weight is the log of its geometric-mean weight.
+    n_B1 = m_BT.sum(dim=1, keepdim=True).clamp(min=1)
+    mean_B1 = torch.where(m_BT, log_w_BT, 0.0).sum(dim=1, keepdim=True) / n_B1
+    drop_B1 = (mean_B1 < math.log(cfg.is_low)) | (mean_B1 > math.log(cfg.is_high))
+    out_BT = drop_B1 & m_BT
+    return torch.where(out_BT, 0.0, truncated_BT), out_BT, capped_BT & ~out_BT
+
+
 def policy_loss(
     logp_BT: Tensor,
     proximal_logp_BT: Tensor,
@@ -121,21 +233,28 @@ def policy_loss(
     denominator: float | Tensor | None = None,
     entropy_BT: Tensor | None = None,
 ) -> tuple[Tensor, LossMetrics]:
-    """PPO-clip surrogate with truncated importance sampling; returns (loss, metrics).
+    """PPO-clip surrogate with a decoupled importance-sampling correction; returns
+    (loss, metrics).
 
     All inputs are [B, T] and aligned with the input ids (see `token_logprobs`); only
     positions with mask_BT = 1 count, other positions may hold anything.
       ratio_t = exp(logp - proximal)
       surr_t  = -min(ratio * A, clip(ratio, 1 - clip_low, 1 + clip_high) * A)
-      tis_t   = min(exp(proximal - behaviour), tis_cap)            (detached)
-      l_t     = tis_t * surr_t + kl_coef * k3 estimate of KL(current || ref)
+      is_t    = importance_weights(proximal - behaviour): min(w, tis_cap) by default,
+                see LossConfig.is_mode for 'mask' and 'filter'                 (detached)
+      keep_t  = 1, or with entropy_top_q: 1 on the top-q sampled tokens of this call by
+                entropy_BT, 0 on the rest (`entropy_selection`)
+      l_t     = keep_t * (is_t * surr_t + kl_coef * k3 estimate of KL(current || ref))
       loss    = sum(W * l) / denominator,  W = loss_weights(mask, weight, aggregation)
     `denominator` defaults to sum(W) of this batch; pass the sum over all micro-batches of
     one optimizer step (or a constant) to accumulate gradients across micro-batches.
+    entropy_BT (detached) is required by entropy_top_q and reported as a metric when given.
     Gradient flows into logp_BT only.
     """
     if cfg.kl_coef and ref_logp_BT is None:
         raise ValueError("kl_coef > 0 needs ref_logp_BT")
+    if cfg.entropy_top_q is not None and entropy_BT is None:
+        raise ValueError("entropy_top_q needs entropy_BT")
     m_BT = mask_BT.bool()
     # Zero the unmasked positions first: they may hold padding whose exp overflows.
     logp = torch.where(m_BT, logp_BT, 0.0)
@@ -146,18 +265,35 @@ def policy_loss(
     ratio = torch.exp(logp - prox)
     clipped = ratio.clamp(1.0 - cfg.clip_low, 1.0 + cfg.clip_high)
     surr = -torch.minimum(ratio * adv, clipped * adv)
-    is_ratio = torch.exp(prox - beh)
-    tis = torch.ones_like(is_ratio) if cfg.tis_cap is None else is_ratio.clamp(max=cfg.tis_cap)
-    per_token = tis * surr
+    is_w, masked, capped = importance_weights(prox - beh, m_BT, cfg)
+    per_token = is_w * surr
     ref_kl = None
     if ref_logp_BT is not None:
         ref_kl = _k3(torch.where(m_BT, ref_logp_BT.detach(), 0.0) - logp)
         per_token = per_token + cfg.kl_coef * ref_kl
+    kept = m_BT
+    if entropy_BT is not None:
+        entropy_BT = torch.where(m_BT, entropy_BT.detach(), 0.0)
+        kept = entropy_selection(entropy_BT, m_BT, cfg.entropy_top_q)
+        per_token = torch.where(kept, per_token, 0.0)
 
     W_BT = loss_weights(mask_BT, weight_BT, cfg.aggregation)
     denom = W_BT.sum() if denominator is None else denominator
     loss = (W_BT * per_token).sum() / torch.as_tensor(denom).clamp(min=1e-8)
-    metrics = _metrics(loss, m_BT, ratio, adv, is_ratio, cfg, logp - beh, ref_kl, entropy_BT)
+    metrics = _metrics(
+        loss,
+        m_BT,
+        ratio,
+        adv,
+        torch.exp(prox - beh),
+        cfg,
+        logp - beh,
+        ref_kl,
+        entropy_BT,
+        masked=masked,
+        capped=capped,
+        kept=kept,
+    )
     return loss, metrics
 
 
@@ -177,6 +313,10 @@ def _metrics(
     log_r_cur_beh: Tensor,
     ref_kl: Tensor | None,
     entropy_BT: Tensor | None,
+    *,
+    masked: Tensor,
+    capped: Tensor,
+    kept: Tensor,
 ) -> LossMetrics:
     m = m_BT.float()
     n = m.sum().clamp(min=1.0)
@@ -186,7 +326,6 @@ def _metrics(
 
     hi = (ratio > 1.0 + cfg.clip_high) & (adv > 0)
     lo = (ratio < 1.0 - cfg.clip_low) & (adv < 0)
-    capped = is_ratio > cfg.tis_cap if cfg.tis_cap is not None else torch.zeros_like(m_BT)
     zero = torch.zeros((), device=m.device)
     # One stack and one .tolist(): a single device sync for all metrics.
     vals = torch.stack(
@@ -200,6 +339,8 @@ def _metrics(
             mean(ref_kl) if ref_kl is not None else zero,
             mean(entropy_BT) if entropy_BT is not None else zero,
             m.sum(),
+            mean(masked),
+            mean(kept),
         ]
     ).tolist()
     return LossMetrics(
@@ -209,6 +350,8 @@ def _metrics(
         tis_ratio_mean=vals[2],
         tis_ratio_max=vals[3],
         tis_capped_fraction=vals[4],
+        is_masked_fraction=vals[9],
+        entropy_kept_fraction=vals[10] if vals[8] else 1.0,
         approx_kl=vals[5],
         ref_kl=vals[6] if ref_kl is not None else None,
         entropy=vals[7] if entropy_BT is not None else None,

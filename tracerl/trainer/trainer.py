@@ -1,8 +1,9 @@
 """The trainer: turns credit-assigned rows into a policy update, algorithm-blind.
 
 It packs rows into micro-batches by token budget, recomputes log-probs under the current
-weights, and minimises the PPO-clip surrogate with truncated importance sampling against the
-behaviour log-probs the engine recorded (tracerl.trainer.loss). Full fine-tuning or LoRA
+weights, and minimises the PPO-clip surrogate with an importance-sampling correction
+(truncated, masked or filtered) against the behaviour log-probs the engine recorded, on all
+sampled tokens or only the high-entropy ones (tracerl.trainer.loss). Full fine-tuning or LoRA
 (peft); AdamW, gradient clipping, a warmup + constant/cosine schedule; bf16 autocast on CPUs
 that have it. The trainer never looks at rewards or groups: advantages and weights arrive
 written on the rows.
@@ -22,7 +23,14 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field
 from transformers import AutoModelForCausalLM, PreTrainedModel
 
-from tracerl.trainer.loss import LossConfig, LossMetrics, loss_weights, policy_loss, token_logprobs
+from tracerl.trainer.loss import (
+    LossConfig,
+    LossMetrics,
+    loss_weights,
+    policy_loss,
+    token_entropy,
+    token_logprobs,
+)
 from tracerl.trainer.packing import MicroBatch, pack
 from tracerl.types import Transition
 
@@ -114,6 +122,13 @@ class TrainMetrics(BaseModel):
     """Largest behaviour->proximal importance ratio."""
     tis_capped_fraction: float
     """Share of tokens whose importance weight was capped."""
+    is_masked_fraction: float = 0.0
+    """Share of tokens whose importance weight the 'mask'/'filter' mode set to 0."""
+    entropy_kept_fraction: float = 1.0
+    """Share of tokens kept by the entropy top-q selection (1 when it is off)."""
+    entropy: float | None = None
+    """Mean entropy of the current policy on sampled tokens, when it was computed (the
+    entropy top-q selection is on)."""
     kl_behaviour: float
     """KL(behaviour || current) estimate (k3)."""
     kl_reference: float | None = None
@@ -191,14 +206,20 @@ class Trainer:
         return out
 
     def _logprobs(self, mb: MicroBatch, model: torch.nn.Module | None = None) -> torch.Tensor:
+        return self._forward(mb, model)[0]
+
+    def _forward(
+        self, mb: MicroBatch, model: torch.nn.Module | None = None, entropy: bool = False
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Token log-probs and, when asked, token entropies (detached) from one forward."""
         with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.cfg.bf16):
             logits = (model or self.model)(
                 input_ids=mb.input_ids_BT.to(self.device),
                 attention_mask=mb.attention_mask_BT.to(self.device),
             ).logits
-        return token_logprobs(
-            logits, mb.input_ids_BT.to(self.device), mb.temperature_B.to(self.device)
-        )
+        temp_B = mb.temperature_B.to(self.device)
+        logp_BT = token_logprobs(logits, mb.input_ids_BT.to(self.device), temp_B)
+        return logp_BT, token_entropy(logits, temp_B) if entropy else None
 
     def _optimizer_step(
         self, rows: list[Transition], idx: list[int], proximal: dict[int, torch.Tensor] | None
@@ -212,8 +233,10 @@ class Trainer:
             for mb in batches
         )
         total, metrics, tokens = 0.0, [], 0
+        # Entropies cost a second pass over the logits: only when the selection needs them.
+        with_entropy = self.cfg.loss.entropy_top_q is not None
         for mb in batches:
-            logp_BT = self._logprobs(mb)
+            logp_BT, entropy_BT = self._forward(mb, entropy=with_entropy)
             prox_BT = logp_BT.detach() if proximal is None else _gather(proximal, idx, mb, logp_BT)
             ref_BT = self._reference_logprobs(mb)
             loss, m = policy_loss(
@@ -226,6 +249,7 @@ class Trainer:
                 mb.weight_BT.to(self.device),
                 ref_BT,
                 denominator=denom,
+                entropy_BT=entropy_BT,
             )
             loss.backward()
             total += float(loss.detach())
@@ -372,6 +396,9 @@ def _summary(
         tis_ratio_mean=avg("tis_ratio_mean"),
         tis_ratio_max=max((m.tis_ratio_max for m in metrics), default=0.0),
         tis_capped_fraction=avg("tis_capped_fraction"),
+        is_masked_fraction=avg("is_masked_fraction"),
+        entropy_kept_fraction=avg("entropy_kept_fraction"),
+        entropy=avg("entropy") if metrics and metrics[0].entropy is not None else None,
         kl_behaviour=avg("approx_kl"),
         kl_reference=avg("ref_kl") if metrics and metrics[0].ref_kl is not None else None,
     )

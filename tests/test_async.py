@@ -1,0 +1,210 @@
+"""Rollout sources: the asynchronous windowed FIFO, the staleness bound, dynamic sampling's
+top-up, and the source state a checkpoint keeps."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import zlib
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import httpx
+import pytest
+from openai import OpenAI
+from transformers import AutoTokenizer
+
+from tracerl.curation import CurationConfig, Curator
+from tracerl.gateway import Gateway, ServedModel, create_app
+from tracerl.runner import Runner, RunnerConfig, python_agent
+from tracerl.server import BackgroundServer, serve_in_thread
+from tracerl.sources import AsyncSource, SyncSource, TaskOrder
+from tracerl.store.sqlite import SqliteStore
+from tracerl.types import Task
+
+from .scripted import ScriptedEngine
+
+SLOW: dict[str, float] = {}
+"""Task id -> seconds its agent sleeps between the two calls (the long tail)."""
+CLIENT = httpx.Client()
+
+
+def agent(task: dict, *, base_url: str, api_key: str, model: str) -> str:
+    """Two calls like the calculator agent; right or wrong by a hash of the rollout."""
+    client = OpenAI(base_url=base_url, api_key=api_key, max_retries=0, http_client=CLIENT)
+    messages: list = [{"role": "user", "content": task["question"]}]
+    reply = client.chat.completions.create(model=model, messages=messages)
+    time.sleep(SLOW.get(task["id"], 0.0))
+    messages += [reply.choices[0].message.model_dump(exclude_none=True)]
+    messages += [{"role": "tool", "tool_call_id": "c", "content": "85"}]
+    final = client.chat.completions.create(model=model, messages=messages)
+    if task.get("coin") and zlib.crc32(base_url.encode()) % 2:
+        return "wrong"
+    return final.choices[0].message.content or ""
+
+
+def reward(task: dict, answer: str) -> float:
+    return float(answer.strip() == str(task["answer"]))
+
+
+class Stack:
+    """Store + gateway (scripted engine) + a runner, in one process."""
+
+    def __init__(self, tokenizer_dir: Path, db: Path) -> None:
+        tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
+        self.engine = ScriptedEngine(tokenizer)
+        self.engine.policy_version = 0
+        self.store = SqliteStore(db)
+        gateway = Gateway(self.store, {"policy": ServedModel("policy", self.engine, tokenizer)})
+        self.server: BackgroundServer = serve_in_thread(create_app(gateway))
+        self.threads = ThreadPoolExecutor(16)
+
+    def runner(self) -> Runner:
+        return Runner(
+            self.store,
+            self.server.url,
+            python_agent(agent, self.threads),
+            reward,
+            RunnerConfig(concurrency=16, poll_s=0.01),
+        )
+
+    def close(self) -> None:
+        self.server.stop()
+        self.threads.shutdown(wait=False, cancel_futures=True)
+        self.store.close()
+
+
+@pytest.fixture
+def stack(tiny_model_dir: Path, tmp_path: Path) -> Iterator[Stack]:
+    s = Stack(tiny_model_dir, tmp_path / "traces.db")
+    yield s
+    s.close()
+    SLOW.clear()
+
+
+def _tasks(n: int, coin: bool = False) -> list[Task]:
+    return [
+        Task(
+            id=f"t{i}", input={"question": "What is 37+48?", "id": f"t{i}", "coin": coin}, answer=85
+        )
+        for i in range(n)
+    ]
+
+
+def _index(group_id: str) -> int:
+    return int(group_id.split("/g")[1].split("-")[0])
+
+
+def test_windowed_fifo_trains_around_a_long_tail(stack: Stack) -> None:
+    order = TaskOrder(_tasks(8), per_step=1, seed=0)
+    SLOW[order.task(0).id] = 1.5  # the first task issued is slow; the others take ms
+    source = AsyncSource("run", stack.store, stack.runner(), order, 2, lambda: 0, window=2)
+    try:
+        t0 = time.perf_counter()
+        taken = [_index(g.id) for g in source.batch(0)]
+        assert taken != [0] and time.perf_counter() - t0 < 1.5  # did not wait for it
+        while 0 not in taken:  # and it is trained once done: the oldest never starves
+            taken += [_index(g.id) for g in source.batch(len(taken))]
+        assert len(taken) == len(set(taken))
+        assert source.utilisation() > 0
+    finally:
+        source.close()
+
+
+def test_window_bounds_how_far_training_runs_ahead(stack: Stack) -> None:
+    order = TaskOrder(_tasks(8), per_step=1, seed=0)
+    SLOW.update({order.task(0).id: 1.0, order.task(1).id: 1.0})  # the two oldest are slow
+    source = AsyncSource("run", stack.store, stack.runner(), order, 2, lambda: 0, window=2)
+    try:
+        t0 = time.perf_counter()
+        batch = source.batch(0)
+        # Newer groups finish first, but only the oldest `window` pending may be taken.
+        assert _index(batch[0].id) in (0, 1) and time.perf_counter() - t0 >= 0.9
+    finally:
+        source.close()
+
+
+@pytest.mark.parametrize("stale", ["drop", "requeue"])
+def test_spans_beyond_max_staleness_are_never_trained(stack: Stack, stale: str) -> None:
+    tasks = _tasks(4)
+    order = TaskOrder(tasks, per_step=2, seed=0)
+    version = [0]
+    source = AsyncSource(
+        "run",
+        stack.store,
+        stack.runner(),
+        order,
+        2,
+        lambda: version[0],
+        max_staleness=1,
+        stale=stale,  # type: ignore[arg-type]
+    )
+    try:
+        source.start()
+        deadline = time.monotonic() + 20
+        while stack.store.counts().get("succeeded", 0) < 8:  # 4 pending groups, v0
+            assert time.monotonic() < deadline
+            time.sleep(0.02)
+        version[0] = 3  # the trainer moved on: v0 rollouts are 3 versions old (> 1)
+        stack.engine.policy_version = 3
+        batch = source.batch(0)
+    finally:
+        source.close()
+    for group in batch:
+        for r in group.rollouts:
+            versions = {s.policy_version for s in stack.store.spans(r.id, r.attempt)}
+            assert min(versions) >= version[0] - 1
+    if stale == "drop":
+        assert source.stats.stale_dropped >= 4 and all(not g.rollouts for g in batch)
+    else:  # the same groups, re-run by the current policy
+        assert source.stats.stale_requeued >= 4
+        assert all(len(g.rollouts) == 2 for g in batch)
+
+
+def test_pause_stops_issuing_and_state_rebuilds_pending(stack: Stack) -> None:
+    tasks = _tasks(6)
+    order = TaskOrder(tasks, per_step=2, seed=0)
+    source = AsyncSource("run", stack.store, stack.runner(), order, 2, lambda: 0, max_staleness=1)
+    try:
+        source.batch(0)
+        source.pause(True)
+        time.sleep(0.1)  # an _issue already under way finishes its top-up
+        state = source.state()
+        issued = source.issued
+        source.batch(1)  # pending groups can still be trained while paused
+        time.sleep(0.2)
+        assert source.issued == issued
+    finally:
+        source.close()
+    assert 4 <= state["issued"] <= 6 and len(state["consumed"]) == 2  # type: ignore[operator,arg-type]
+    resumed = AsyncSource("run", stack.store, stack.runner(), order, 2, lambda: 0)
+    resumed.load_state(state)
+    # Groups issued after the checkpoint are found in the store, in issue order.
+    assert resumed.issued == issued
+    consumed = set(state["consumed"])  # type: ignore[call-overload]
+    assert [p.index for p in resumed.pending] == [k for k in range(issued) if k not in consumed]
+
+
+def test_sync_dynamic_sampling_tops_up_groups_without_signal(stack: Stack) -> None:
+    tasks = _tasks(40, coin=True)
+    order = TaskOrder(tasks, per_step=4, seed=0)
+    curator = Curator(CurationConfig(dynamic_sampling=True), group_size=2)
+    source = SyncSource("run", stack.store, stack.runner(), order, 2, curate=curator.curate)
+    batch = source.batch(0)
+    assert len(batch) == 4
+    for group in batch:  # every group trained on has reward variance
+        assert len({r.reward for r in group.rollouts}) == 2
+    dropped = source.stats.dropped_zero_variance
+    issued = {r.group_id for r in stack.store.rollouts()}
+    assert dropped > 0 and len(issued) == 4 + dropped  # each dropped group was replaced
+    assert curator.metrics()["curation/dropped_zero_variance"] == dropped
+
+
+def test_runner_utilisation_counts_busy_slots(stack: Stack) -> None:
+    runner = stack.runner()
+    stack.store.add_tasks(_tasks(4))
+    stack.store.enqueue([f"t{i}" for i in range(4)])
+    SLOW.update({f"t{i}": 0.2 for i in range(4)})
+    asyncio.run(runner.run(until_idle=True))
+    assert 4 * 0.2 <= runner.busy_s < 4 * 2.0
