@@ -4,10 +4,10 @@ Both train the same warm-started tiny calculator model (tracerl.demo) from the s
 on the same single-turn task: the first turn of the calculator conversation (system prompt
 with the calculator tool, then "What is 37+48?"), where the model should call
 calculator(expression). The reward is 1 when the call's expression is the question's
-arithmetic (same operands, same operator), else 0; the default warm start (400 SFT steps)
-gets ~0.65 of first calls right at temperature 1, so the curves have room to move. For a
-weaker warm start `--partial-credit` gives 1/3 each for the left operand, the operator and
-the right operand (exact match starts near 0.02 after 150 SFT steps, partial near 0.2).
+arithmetic (same operands, same operator), else 0; the demo's warm start calls the tool on
+about a third of first turns at temperature 1 (it mostly answers lazily), so the curves have
+room to move. `--partial-credit` gives 1/3 each for the left operand, the operator and the
+right operand instead.
 
 Same on both sides: tasks per step x group size rollouts per step, max completion tokens,
 temperature 1, lr, AdamW betas, grad clip 1, constant schedule, no KL, clip 0.2 / 0.28, one
@@ -64,6 +64,7 @@ from tracerl.pipeline import (  # noqa: E402
     Checkpoints,
     Pipeline,
     PipelineConfig,
+    Policy,
     TaskOrder,
     make_source,
 )
@@ -274,11 +275,11 @@ def run_tracerl(cfg: BenchConfig, model_dir: Path, work: Path) -> Curve:
             pipe_cfg,
             runner_cfg,
         )
+        policy = Policy("policy", Trainer(model_dir, trainer_cfg), stack.engine, ["policy"])
         pipeline = Pipeline(
             source,
             stack.store,
-            stack.engine,
-            Trainer(model_dir, trainer_cfg),
+            [policy],
             AlgorithmConfig().build(),
             Checkpoints(work / "run", keep=1),
             pipe_cfg,

@@ -1,16 +1,19 @@
 """The pipeline: the only place that knows both sides — rollouts in, policy updates out.
 
-Each step takes a batch of finished groups from a rollout source, turns their spans into
-credit-assigned rows (tracerl.algorithms), updates the policy (tracerl.trainer), publishes
-the new weights to the engine, and checkpoints. The source is the boundary between
+Each step takes a batch of finished groups from a rollout source (tracerl.sources), turns
+their spans into credit-assigned rows (tracerl.algorithms; advantages are computed within
+groups per role), lets each policy (tracerl.trainer) train on the rows of the roles it plays,
+publishes the new weights to each policy's engine, and checkpoints. Rows of frozen roles
+(in no policy) are recorded and never trained. The source is the boundary between
 generation and training: the synchronous source issues tasks x group_size rollouts and waits
-for them; an asynchronous source keeps generating while the trainer trains and hands over
+for them; the asynchronous one keeps generating while the trainer trains and hands over
 complete groups within a staleness bound.
 
-Resuming is exact: a checkpoint holds the weights, optimizer, schedule and RNG states, the
-step, and the ids of every rollout trained on. Group ids are a function of (run, step,
-task), so after a crash the interrupted step's rollouts are found in the store and used,
-not generated or trained twice.
+Resuming is exact: a checkpoint holds the weights, optimizer, schedule and RNG states (one
+folder per policy when there are several), the step, the ids of every rollout trained on,
+and the state of the source and of curation. Group ids are a function of the run and the
+task's position, so after a crash the interrupted step's rollouts are found in the store and
+used, not generated or trained twice.
 """
 
 from __future__ import annotations
@@ -20,7 +23,7 @@ import os
 import shutil
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
 
@@ -52,6 +55,7 @@ __all__ = [
     "Group",
     "Pipeline",
     "PipelineConfig",
+    "Policy",
     "RolloutSource",
     "StepReport",
     "TaskOrder",
@@ -135,6 +139,24 @@ def rows_for(store: Store, groups: list[Group], algorithm: Algorithm) -> list[Tr
     return compute_advantages(algorithm, rows)
 
 
+@dataclass
+class Policy:
+    """One set of trainable weights: its trainer, the engine serving it, the roles it plays.
+
+    A role is the `model` name agents ask for. Several roles may share one policy (one
+    backbone); a role in no policy is frozen: served and recorded, never trained.
+    """
+
+    name: str
+    trainer: Trainer
+    engine: Engine
+    roles: list[str]
+
+
+Trainers = Trainer | dict[str, Trainer]
+"""One trainer (files at the checkpoint's root) or several by policy name (a folder each)."""
+
+
 class Checkpoints:
     """runs/<name>/checkpoints/step-<k>/ with a `latest` pointer replaced atomically."""
 
@@ -142,9 +164,15 @@ class Checkpoints:
         self.root = run_dir / "checkpoints"
         self.keep = keep
 
+    @staticmethod
+    def _dirs(trainers: Trainers, path: Path) -> list[tuple[Trainer, Path]]:
+        if isinstance(trainers, Trainer):
+            return [(trainers, path)]
+        return [(t, path / name) for name, t in trainers.items()]
+
     def save(
         self,
-        trainer: Trainer,
+        trainers: Trainers,
         step: int,
         trained: list[str],
         state: dict[str, object] | None = None,
@@ -154,8 +182,9 @@ class Checkpoints:
         tmp = self.root / f".step-{step}.tmp"
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
-        trainer.save_model(tmp / "model")
-        torch.save(trainer.state(), tmp / "trainer.pt")
+        for trainer, where in self._dirs(trainers, tmp):
+            trainer.save_model(where / "model")
+            torch.save(trainer.state(), where / "trainer.pt")
         info = {"step": step, "trained": trained, "state": state or {}}
         (tmp / "pipeline.json").write_text(json.dumps(info))
         shutil.rmtree(path, ignore_errors=True)
@@ -182,14 +211,15 @@ class Checkpoints:
         path = self.root / pointer.read_text().strip()
         return path if (path / "pipeline.json").exists() else None
 
-    def restore(self, trainer: Trainer) -> tuple[int, list[str], dict[str, object]]:
-        """Load the newest checkpoint into `trainer`; returns (step, trained rollout ids,
-        the state of the source and curation)."""
+    def restore(self, trainers: Trainers) -> tuple[int, list[str], dict[str, object]]:
+        """Load the newest checkpoint into the trainer(s); returns (step, trained rollout
+        ids, the state of the source and curation)."""
         path = self.latest()
         if path is None:
             return 0, [], {}
-        trainer.load_weights(path / "model")
-        trainer.load_state(torch.load(path / "trainer.pt", weights_only=False))
+        for trainer, where in self._dirs(trainers, path):
+            trainer.load_weights(where / "model")
+            trainer.load_state(torch.load(where / "trainer.pt", weights_only=False))
         info = json.loads((path / "pipeline.json").read_text())
         return int(info["step"]), list(info["trained"]), dict(info.get("state", {}))
 
@@ -205,34 +235,51 @@ class StepReport:
     rows: int
     generate_s: float
     train: TrainMetrics
+    """The first policy's update (the only one in a single-policy run)."""
     source: SourceStats
     curation: dict[str, float]
+    policies: dict[str, TrainMetrics | None] = field(default_factory=dict)
+    """Every policy's update by name; None when the batch held no rows of its roles."""
+    frozen_rows: int = 0
+    """Rows of frozen roles (recorded, not trained)."""
 
 
 class Pipeline:
-    """The training loop over a rollout source; see the module docstring."""
+    """The training loop over a rollout source; see the module docstring.
+
+    Every policy's version equals the number of steps done, so a span's staleness is
+    `step - span.policy_version` whichever policy sampled it; a policy whose roles made
+    no call in a batch is republished unchanged under the new version.
+    """
 
     def __init__(
         self,
         source: RolloutSource,
         store: Store,
-        engine: Engine,
-        trainer: Trainer,
+        policies: list[Policy],
         algorithm: Algorithm,
         checkpoints: Checkpoints,
         cfg: PipelineConfig,
-        role: str = "policy",
         curator: Curator | None = None,
     ) -> None:
-        self.source, self.store, self.engine = source, store, engine
-        self.trainer, self.algorithm, self.checkpoints = trainer, algorithm, checkpoints
-        self.cfg, self.role, self.curator = cfg, role, curator
+        if not policies:
+            raise ValueError("a pipeline needs at least one trainable policy")
+        self.source, self.store, self.policies = source, store, policies
+        self.algorithm, self.checkpoints = algorithm, checkpoints
+        self.cfg, self.curator = cfg, curator
         self.step = 0
         self.trained: list[str] = []
 
+    @property
+    def trainers(self) -> Trainers:
+        """What checkpoints hold: the one trainer, or every policy's by name."""
+        if len(self.policies) == 1:
+            return self.policies[0].trainer
+        return {p.name: p.trainer for p in self.policies}
+
     def resume(self) -> int:
         """Restore the newest checkpoint and serve its weights; returns the step to run."""
-        self.step, self.trained, state = self.checkpoints.restore(self.trainer)
+        self.step, self.trained, state = self.checkpoints.restore(self.trainers)
         self.source.load_state(state.get("source", {}))  # type: ignore[arg-type]
         if self.curator is not None:
             self.curator.load_state(state.get("curation", {}))  # type: ignore[arg-type]
@@ -241,17 +288,33 @@ class Pipeline:
         return self.step
 
     def publish(self) -> None:
-        """Serve the trainer's weights as its current version and record the version."""
-        version = self.trainer.version
-        self.engine.load_state_dict(self.trainer.engine_state_dict(), version)  # type: ignore[attr-defined]
-        path = str(self.checkpoints.root / f"step-{self.step}" / "model")
-        self.store.publish_version(PolicyVersion(version=version, path=path, role=self.role))
+        """Serve every trainer's weights as its current version and record the versions."""
+        several = len(self.policies) > 1
+        for p in self.policies:
+            version = p.trainer.version
+            p.engine.load_state_dict(p.trainer.engine_state_dict(), version)  # type: ignore[attr-defined]
+            where = self.checkpoints.root / f"step-{self.step}"
+            path = str((where / p.name if several else where) / "model")
+            for role in p.roles:
+                self.store.publish_version(PolicyVersion(version=version, path=path, role=role))
 
     def _untrained(self, group: Group) -> list[Rollout]:
         """The group's rollouts not trained on before (a resumed step's), plus any replayed
         from another group (replay trains a stored success again, on purpose)."""
         done = set(self.trained)
         return [r for r in group.rollouts if r.id not in done or r.group_id != group.id]
+
+    def _train(self, rows: list[Transition]) -> dict[str, TrainMetrics | None]:
+        """Each policy trains on its roles' rows; one without rows keeps its weights."""
+        out: dict[str, TrainMetrics | None] = {}
+        for p in self.policies:
+            mine = [r for r in rows if r.role in p.roles]
+            if mine:
+                out[p.name] = p.trainer.train(mine)
+            else:
+                out[p.name] = None
+                p.trainer.version += 1  # same weights, next version: versions stay in step
+        return out
 
     def run_step(self) -> StepReport:
         """Generate (or collect) one batch, train on it, publish, checkpoint."""
@@ -264,7 +327,7 @@ class Pipeline:
             costs = rollout_costs(self.store, fresh, self.curator.cfg.secondary)
             rows = self.curator.advantages(rows, costs)
         rollouts = [r for g in fresh for r in g.rollouts]
-        metrics = self.trainer.train(rows)
+        per_policy = self._train(rows)
         self.step += 1
         self.trained += [r.id for g in fresh for r in g.rollouts if r.group_id == g.id]
         self.publish()
@@ -272,8 +335,10 @@ class Pipeline:
             state: dict[str, object] = {"source": self.source.state()}
             if self.curator is not None:
                 state["curation"] = self.curator.state()
-            self.checkpoints.save(self.trainer, self.step, self.trained, state)
+            self.checkpoints.save(self.trainers, self.step, self.trained, state)
         rewards = [r.reward or 0.0 for r in rollouts]
+        trained_roles = {role for p in self.policies for role in p.roles}
+        first = next((m for m in per_policy.values() if m is not None), None)
         return StepReport(
             step=self.step,
             reward=sum(rewards) / max(len(rewards), 1),
@@ -281,9 +346,11 @@ class Pipeline:
             rollouts=len(rollouts),
             rows=len(rows),
             generate_s=generated,
-            train=metrics,
+            train=first or TrainMetrics.empty(),
             source=self.source.stats,
             curation=self.curator.metrics() if self.curator is not None else {},
+            policies=per_policy,
+            frozen_rows=sum(r.role not in trained_roles for r in rows),
         )
 
 

@@ -58,12 +58,21 @@ def make_engine(model_dir: str | Path, cfg: EngineConfig, version: int = 0) -> E
 
 @dataclass
 class LocalStack:
-    """Store + engine + gateway in this process, the HTTP API on a background thread."""
+    """Store + engines + gateway in this process, the HTTP API on a background thread.
+
+    `engines` holds one engine per policy (a set of weights); several roles (model names
+    agents ask for) may be served by one engine: the same backbone in several roles.
+    """
 
     store: SqliteStore
-    engine: Engine
+    engines: dict[str, Engine]
     gateway: Gateway
     server: BackgroundServer
+
+    @property
+    def engine(self) -> Engine:
+        """The first policy's engine (the only one in a single-policy run)."""
+        return next(iter(self.engines.values()))
 
     @property
     def url(self) -> str:
@@ -71,9 +80,10 @@ class LocalStack:
         return self.server.url
 
     def close(self) -> None:
-        """Stop serving and release the engine and the database."""
+        """Stop serving and release the engines and the database."""
         self.server.stop()
-        self.engine.close()
+        for engine in self.engines.values():
+            engine.close()
         self.store.close()
 
 
@@ -86,11 +96,32 @@ def start_stack(
     port: int = 0,
 ) -> LocalStack:
     """Open the store, load the engine, and serve the gateway on host:port."""
+    return start_multi_stack(
+        {model_name: model_dir}, {model_name: model_name}, store_path, engine_cfg, host, port
+    )
+
+
+def start_multi_stack(
+    models: dict[str, str | Path],
+    roles: dict[str, str],
+    store_path: str | Path,
+    engine_cfg: EngineConfig | None = None,
+    host: str = "127.0.0.1",
+    port: int = 0,
+) -> LocalStack:
+    """One engine per entry of `models` (policy -> model dir); the gateway answers to each
+    role of `roles` (role -> policy) with that policy's engine."""
     engine_cfg = engine_cfg or EngineConfig()
+    missing = sorted(set(roles.values()) - set(models))
+    if missing:
+        raise ValueError(f"roles name policies with no model: {missing}")
     store = SqliteStore(store_path)
-    engine = make_engine(model_dir, engine_cfg)
-    tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
-    served = ServedModel(model_name, engine, tokenizer, engine_cfg.default_max_tokens)
-    gateway = Gateway(store, {model_name: served})
+    engines = {name: make_engine(path, engine_cfg) for name, path in models.items()}
+    tokenizers = {name: AutoTokenizer.from_pretrained(str(path)) for name, path in models.items()}
+    served = {
+        role: ServedModel(role, engines[policy], tokenizers[policy], engine_cfg.default_max_tokens)
+        for role, policy in roles.items()
+    }
+    gateway = Gateway(store, served)
     server = serve_in_thread(create_app(gateway), host, port)
-    return LocalStack(store, engine, gateway, server)
+    return LocalStack(store, engines, gateway, server)

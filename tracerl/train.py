@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import time
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -24,14 +25,70 @@ from tracerl.pipeline import (
     Checkpoints,
     Pipeline,
     PipelineConfig,
+    Policy,
     StepReport,
     make_source,
 )
 from tracerl.runner import AgentFn, RewardFn, RunnerConfig, load_agent, load_callable
 from tracerl.sources import AsyncSource, SyncSource
-from tracerl.stack import EngineConfig, LocalStack, start_stack
-from tracerl.trainer.trainer import Trainer, TrainerConfig
+from tracerl.stack import EngineConfig, LocalStack, start_multi_stack
+from tracerl.trainer.trainer import LoraSettings, Trainer, TrainerConfig
 from tracerl.types import Task
+
+
+class RoleConfig(BaseModel):
+    """How one role (a `model` name agents ask for) is served and trained."""
+
+    model_config = ConfigDict(use_attribute_docstrings=True, extra="forbid")
+
+    model: str | None = None
+    """Its own local HF model dir; default: the run's `model`."""
+    share: str | None = None
+    """Play this other role's policy: the same weights, trained on both roles' rows (one
+    backbone, several roles)."""
+    frozen: bool = False
+    """Served by the local engine and recorded, never trained."""
+    lora: LoraSettings | None = None
+    """A LoRA adapter of its own on `model` (saved as a standard peft adapter); default:
+    the run's trainer.lora."""
+
+
+@dataclass
+class PolicySpec:
+    """A policy resolved from the roles: its name, weights, roles, and whether it trains."""
+
+    name: str
+    model: str
+    roles: list[str]
+    frozen: bool
+    lora: LoraSettings | None
+
+
+def policy_specs(cfg: TrainConfig) -> list[PolicySpec]:
+    """Roles -> policies: a role with weights of its own is a policy named after it; a
+    sharing role joins its target's policy. Clear errors for a bad mapping."""
+    roles = cfg.roles or {cfg.model_name: RoleConfig()}
+    specs: dict[str, PolicySpec] = {}
+    for role, rc in roles.items():
+        if rc.share is None:
+            lora = rc.lora or cfg.trainer.lora
+            specs[role] = PolicySpec(role, rc.model or cfg.model, [role], rc.frozen, lora)
+    for role, rc in roles.items():
+        if rc.share is None:
+            continue
+        if rc.share not in specs:
+            raise ValueError(
+                f"role {role!r} shares {rc.share!r}, which is not a role with weights of its own"
+            )
+        if rc.model or rc.lora or rc.frozen:
+            raise ValueError(
+                f"role {role!r} shares {rc.share!r}'s weights; set model, lora or frozen "
+                f"on {rc.share!r} instead"
+            )
+        specs[rc.share].roles.append(role)
+    if all(spec.frozen for spec in specs.values()):
+        raise ValueError("every role is frozen: there is nothing to train")
+    return list(specs.values())
 
 
 class TrainConfig(BaseModel):
@@ -56,7 +113,10 @@ class TrainConfig(BaseModel):
     eval_before: bool = True
     """Evaluate on all held-out tasks before training."""
     model_name: str = "policy"
-    """The model name the agent is told to use (the role)."""
+    """The model name the agent is told to use (the role), when `roles` is empty."""
+    roles: dict[str, RoleConfig] = Field(default_factory=dict)
+    """Multi-agent runs: each role (a `model` name the agents ask for) and its policy;
+    empty: one role, `model_name`, trained from `model`."""
     pipeline: PipelineConfig = PipelineConfig()
     """Scheduling."""
     algorithm: AlgorithmConfig = AlgorithmConfig()
@@ -121,14 +181,21 @@ def train(
     train_tasks, held_out = tasks or split_tasks(cfg)
     if reward_fn is None and cfg.reward:
         reward_fn = load_callable(cfg.reward)
-    stack = start_stack(cfg.model, run_dir / "traces.db", cfg.engine, cfg.model_name)
+    specs = policy_specs(cfg)
+    stack = start_multi_stack(
+        {p.name: p.model for p in specs},
+        {role: p.name for p in specs for role in p.roles},
+        run_dir / "traces.db",
+        cfg.engine,
+    )
     log = MetricsLog(run_dir)
     threads = ThreadPoolExecutor(cfg.runner.concurrency)
     try:
         agent = agent or load_agent(cfg.agent, threads)
         return _run(
-            cfg, run_dir, stack, log, agent, reward_fn, train_tasks, held_out, resume, started
-        )
+            cfg, run_dir, stack, log, agent, reward_fn, train_tasks, held_out, resume, started,
+            specs,
+        )  # fmt: skip
     finally:
         threads.shutdown(wait=False, cancel_futures=True)
         log.close()
@@ -146,9 +213,19 @@ def _run(
     held_out: list[Task],
     resume: bool,
     started: float,
+    specs: list[PolicySpec],
 ) -> TrainSummary:
-    trainer_cfg = cfg.trainer
-    trainer = Trainer(cfg.model, trainer_cfg, cfg.device)
+    policies = [
+        Policy(
+            spec.name,
+            Trainer(spec.model, cfg.trainer.model_copy(update={"lora": spec.lora}), cfg.device),
+            stack.engines[spec.name],
+            spec.roles,
+        )
+        for spec in specs
+        if not spec.frozen
+    ]
+    trainer = policies[0].trainer  # every policy's version moves in step with the others
     runner_cfg = cfg.runner.model_copy(update={"model": cfg.model_name})
     curator = None
     if cfg.curation.enabled:
@@ -176,7 +253,7 @@ def _run(
             held_out,
             resume,
             started,
-            trainer,
+            policies,
             source,
             runner_cfg,
             curator,
@@ -195,7 +272,7 @@ def _loop(
     held_out: list[Task],
     resume: bool,
     started: float,
-    trainer: Trainer,
+    policies: list[Policy],
     source: SyncSource | AsyncSource,
     runner_cfg: RunnerConfig,
     curator: Curator | None,
@@ -203,12 +280,10 @@ def _loop(
     pipeline = Pipeline(
         source,
         stack.store,
-        stack.engine,
-        trainer,
+        policies,
         cfg.algorithm.build(),
         Checkpoints(run_dir, cfg.pipeline.keep_checkpoints),
         cfg.pipeline,
-        cfg.model_name,
         curator,
     )
     if resume:
@@ -264,7 +339,11 @@ def _loop(
     log.log(pipeline.step, {"eval/success": after, "eval/final": after})
     plot_rewards(log.path, run_dir / "reward.png", cfg.name)
     plot_pipeline(log.path, run_dir / "pipeline.png", cfg.name)
-    _save_outputs(trainer, stack, cfg, run_dir)
+    if len(policies) == 1:
+        _save_outputs(policies[0], stack, run_dir / "model")
+    else:
+        for policy in policies:
+            _save_outputs(policy, stack, run_dir / "models" / policy.name)
     summary = TrainSummary(
         success_before=before,
         success_after=after,
@@ -277,25 +356,34 @@ def _loop(
     return summary
 
 
-def _save_outputs(trainer: Trainer, stack: LocalStack, cfg: TrainConfig, run_dir: Path) -> None:
-    """model/: an HF model dir (full FT) or a peft adapter (LoRA); with LoRA also
-    model-merged/, a plain HF model dir any tool (or `tracerl eval`) loads directly."""
-    tokenizer = stack.engine.tokenizer  # type: ignore[attr-defined]
-    trainer.save_model(run_dir / "model")
-    tokenizer.save_pretrained(str(run_dir / "model"))
-    if cfg.trainer.lora is None:
+def _save_outputs(policy: Policy, stack: LocalStack, out: Path) -> None:
+    """`out`: an HF model dir (full FT) or a peft adapter (LoRA); with LoRA also
+    `<out>-merged`, a plain HF model dir any tool (or `tracerl eval`) loads directly.
+    A multi-policy run writes models/<policy>/ for each trained policy."""
+    tokenizer = policy.engine.tokenizer  # type: ignore[attr-defined]
+    trainer = policy.trainer
+    trainer.save_model(out)
+    tokenizer.save_pretrained(str(out))
+    if trainer.cfg.lora is None:
         return
     from transformers import AutoModelForCausalLM
 
-    merged = AutoModelForCausalLM.from_pretrained(cfg.model)
+    merged_dir = out.with_name(out.name + "-merged")
+    merged = AutoModelForCausalLM.from_pretrained(trainer.model_dir)
     merged.load_state_dict(trainer.engine_state_dict())
-    merged.save_pretrained(str(run_dir / "model-merged"))
-    tokenizer.save_pretrained(str(run_dir / "model-merged"))
+    merged.save_pretrained(str(merged_dir))
+    tokenizer.save_pretrained(str(merged_dir))
 
 
 def _step_values(report: StepReport) -> dict[str, float | int | str | None]:
     t = report.train
-    return {
+    per_policy: dict[str, float | int | str | None] = {"train/frozen_rows": report.frozen_rows}
+    if len(report.policies) > 1:
+        for name, m in report.policies.items():
+            per_policy[f"train/{name}/loss"] = m.loss if m else None
+            per_policy[f"train/{name}/tokens"] = m.tokens if m else 0
+            per_policy[f"train/{name}/kl_behaviour"] = m.kl_behaviour if m else None
+    return per_policy | {
         "train/reward": report.reward,
         "train/success": report.success,
         "train/rollouts": report.rollouts,

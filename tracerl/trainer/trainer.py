@@ -134,6 +134,15 @@ class TrainMetrics(BaseModel):
     kl_reference: float | None = None
     """KL(current || reference) estimate (k3), when the KL term is on."""
 
+    @classmethod
+    def empty(cls) -> TrainMetrics:
+        """No update happened (no rows for this policy in the batch)."""
+        return cls(
+            loss=0.0, grad_norm=0.0, lr=0.0, tokens=0, trained_tokens=0, optimizer_steps=0,
+            wall_s=0.0, tokens_per_s=0.0, clip_fraction=0.0, tis_ratio_mean=1.0,
+            tis_ratio_max=1.0, tis_capped_fraction=0.0, kl_behaviour=0.0,
+        )  # fmt: skip
+
 
 class Trainer:
     """Holds the trainable policy and its optimizer; `train(rows)` is one update."""

@@ -1,0 +1,154 @@
+"""Several roles, several policies: the role -> policy mapping in each sharing mode, frozen
+roles recorded but never trained, LoRA adapters per role saved as standard peft adapters."""
+
+from __future__ import annotations
+
+import json
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import httpx
+import pytest
+import torch
+from openai import OpenAI
+from peft import PeftModel
+from transformers import AutoModelForCausalLM
+
+from tracerl.pipeline import PipelineConfig
+from tracerl.runner import RunnerConfig, python_agent
+from tracerl.store.sqlite import SqliteStore
+from tracerl.train import RoleConfig, TrainConfig, policy_specs, train
+from tracerl.trainer.trainer import LoraSettings, Trainer, TrainerConfig
+from tracerl.types import Task, Transition
+
+CLIENT = httpx.Client()
+
+
+def two_roles(task: dict, *, base_url: str, api_key: str, model: str) -> str:
+    """A planner call, then one or two executor calls (varying per task), then an answer."""
+    client = OpenAI(base_url=base_url, api_key=api_key, max_retries=0, http_client=CLIENT)
+    plan = client.chat.completions.create(
+        model="planner", messages=[{"role": "user", "content": task["question"]}], max_tokens=6
+    )
+    answers = []
+    for _ in range(task["subtasks"]):
+        reply = client.chat.completions.create(
+            model="executor",
+            messages=[{"role": "user", "content": plan.choices[0].message.content or "?"}],
+            max_tokens=6,
+        )
+        answers.append(reply.choices[0].message.content or "")
+    return " ".join(answers)
+
+
+def reward(task: dict, answer: str) -> float:
+    return float(len(answer) % 2)  # arbitrary but varied: groups get a signal
+
+
+def _tasks(n: int, split: str) -> list[Task]:
+    return [
+        Task(id=f"{split}{i}", input={"question": f"q{i}", "subtasks": 1 + i % 2}, answer=0)
+        for i in range(n)
+    ]
+
+
+def _cfg(tmp: Path, model: Path, roles: dict[str, RoleConfig], **trainer: object) -> TrainConfig:
+    return TrainConfig(
+        name="roles",
+        runs=str(tmp),
+        model=str(model),
+        roles=roles,
+        eval_before=False,
+        pipeline=PipelineConfig(steps=1, tasks_per_step=2, group_size=2, eval_every=0),
+        trainer=TrainerConfig(lr=1e-3, **trainer),  # type: ignore[arg-type]
+        runner=RunnerConfig(concurrency=4),
+    )
+
+
+def _run(cfg: TrainConfig, seen: list[tuple[str, set[str]]], monkeypatch) -> SqliteStore:  # type: ignore[no-untyped-def]
+    """Train, recording which roles' rows each policy's trainer was handed."""
+    original = Trainer.train
+
+    def spy(self: Trainer, rows: list[Transition]):  # type: ignore[no-untyped-def]
+        seen.append((self.model_dir, {r.role for r in rows}))
+        return original(self, rows)
+
+    monkeypatch.setattr(Trainer, "train", spy)
+    with ThreadPoolExecutor(4) as threads:
+        train(cfg, python_agent(two_roles, threads), reward, (_tasks(4, "t"), _tasks(2, "e")))
+    return SqliteStore(Path(cfg.runs) / cfg.name / "traces.db")
+
+
+def test_role_mapping_resolves_each_sharing_mode() -> None:
+    def specs(roles: dict) -> list:  # type: ignore[type-arg]
+        return policy_specs(TrainConfig(model="/m", roles=roles))
+
+    own = specs({"a": RoleConfig(model="/a"), "b": {}})
+    assert [(p.name, p.model, p.roles) for p in own] == [("a", "/a", ["a"]), ("b", "/m", ["b"])]
+    shared = specs({"a": RoleConfig(), "b": RoleConfig(share="a")})
+    assert [(p.name, p.roles) for p in shared] == [("a", ["a", "b"])]
+    frozen = specs({"a": RoleConfig(), "b": RoleConfig(frozen=True)})
+    assert [(p.name, p.frozen) for p in frozen] == [("a", False), ("b", True)]
+    lora = LoraSettings(r=4)
+    adapters = specs({"a": RoleConfig(lora=lora), "b": RoleConfig()})
+    assert adapters[0].lora == lora and adapters[1].lora is None
+    assert [p.roles for p in specs({})] == [["policy"]]  # no roles: one policy
+    bad = [
+        ({"b": RoleConfig(share="a")}, "not a role with weights"),
+        ({"a": RoleConfig(), "b": RoleConfig(share="a", model="/x")}, "set model"),
+        ({"a": RoleConfig(frozen=True)}, "nothing to train"),
+    ]
+    for roles, message in bad:
+        with pytest.raises(ValueError, match=message):
+            specs(roles)
+
+
+def test_frozen_role_is_recorded_but_never_trained(
+    tiny_model_dir: Path, tmp_path: Path, monkeypatch
+) -> None:  # type: ignore[no-untyped-def]
+    roles = {"planner": RoleConfig(), "executor": RoleConfig(frozen=True)}
+    seen: list[tuple[str, set[str]]] = []
+    store = _run(_cfg(tmp_path, tiny_model_dir, roles), seen, monkeypatch)
+    spans = [s for r in store.rollouts() for s in store.spans(r.id)]
+    store.close()
+    assert {s.role for s in spans} == {"planner", "executor"}  # both recorded
+    assert seen and all(trained == {"planner"} for _, trained in seen)
+    # The frozen role's engine never got new weights: its spans are all version 0.
+    assert {s.policy_version for s in spans if s.role == "executor"} == {0}
+    lines = (tmp_path / "roles" / "metrics.jsonl").read_text().splitlines()
+    assert any(json.loads(x).get("train/frozen_rows", 0) > 0 for x in lines)
+    assert (tmp_path / "roles" / "model" / "config.json").exists()
+
+
+def test_shared_backbone_trains_on_both_roles(
+    tiny_model_dir: Path, tmp_path: Path, monkeypatch
+) -> None:  # type: ignore[no-untyped-def]
+    roles = {"planner": RoleConfig(), "executor": RoleConfig(share="planner")}
+    seen: list[tuple[str, set[str]]] = []
+    _run(_cfg(tmp_path, tiny_model_dir, roles), seen, monkeypatch).close()
+    assert [trained for _, trained in seen] == [{"planner", "executor"}]
+
+
+def test_lora_per_role_saves_standard_peft_adapters(
+    tiny_model_dir: Path, tmp_path: Path, monkeypatch
+) -> None:  # type: ignore[no-untyped-def]
+    roles = {"planner": RoleConfig(lora=LoraSettings(r=4)), "executor": RoleConfig()}
+    cfg = _cfg(tmp_path, tiny_model_dir, roles, lora=LoraSettings(r=2))
+    seen: list[tuple[str, set[str]]] = []
+    _run(cfg, seen, monkeypatch).close()
+    assert sorted(tuple(trained) for _, trained in seen) == [("executor",), ("planner",)]
+    run = tmp_path / "roles"
+    step = run / "checkpoints" / "step-1"
+    assert (step / "planner" / "trainer.pt").exists() and (step / "executor" / "model").is_dir()
+    for role, rank in (("planner", 4), ("executor", 2)):
+        adapter = run / "models" / role
+        config = json.loads((adapter / "adapter_config.json").read_text())
+        assert config["r"] == rank
+        base = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+        loaded = PeftModel.from_pretrained(base, str(adapter))  # a standard peft adapter
+        merged = AutoModelForCausalLM.from_pretrained(run / "models" / f"{role}-merged")
+        ids = torch.tensor([[1, 2, 3, 4]])
+        with torch.no_grad():
+            want = loaded.merge_and_unload()(ids).logits
+            got = merged(ids).logits
+        assert torch.allclose(want, got, atol=1e-5)
