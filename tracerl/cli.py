@@ -12,6 +12,7 @@ import json
 import sys
 import time
 from pathlib import Path
+from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 from pydantic_settings import BaseSettings, CliApp, CliPositionalArg, CliSubCommand
@@ -25,9 +26,29 @@ from tracerl.stack import EngineConfig
 from tracerl.train import TrainConfig
 from tracerl.trainer.trainer import TrainerConfig
 
+
 # Demo defaults, tuned so the weak tiny model learns the calculator task in minutes on CPU.
-DEMO_PIPELINE = PipelineConfig(steps=30, tasks_per_step=16, group_size=8, eval_every=10)
-DEMO_TRAINER = TrainerConfig(lr=3e-4, minibatches=2, warmup_steps=5)
+class DemoPipeline(PipelineConfig):
+    """The demo's scheduling (a flag overrides one field and keeps these defaults)."""
+
+    steps: int = Field(default=30, ge=1)
+    """Training steps (policy versions published)."""
+    eval_every: int = Field(default=10, ge=0)
+    """Held-out evaluation every this many steps (0: only before and after)."""
+
+
+class DemoTrainer(TrainerConfig):
+    """The demo's policy update: lr 3e-4 with warmup, cosine decay over the run."""
+
+    lr: float = 3e-4
+    """Peak learning rate (AdamW)."""
+    minibatches: int = Field(default=2, ge=1)
+    """Optimizer steps per batch of rows."""
+    warmup_steps: int = Field(default=5, ge=0)
+    """Optimizer steps of linear warmup."""
+    schedule: Literal["constant", "cosine"] = "cosine"
+    """Cosine decay to 10% over the run: the end of the run settles instead of drifting."""
+
 
 console = Console()
 LATEST = Path("runs") / ".latest_store"
@@ -75,13 +96,15 @@ class Demo(_Cmd):
     """Rebuild the tiny model even if it is cached."""
     run_async: bool = Field(default=False, alias="async")
     """Generate while training (pipeline.mode async, max_staleness as configured)."""
-    pipeline: PipelineConfig = DEMO_PIPELINE
+    pipeline: DemoPipeline = DemoPipeline()
     """Scheduling."""
     algorithm: AlgorithmConfig = AlgorithmConfig()
     """Credit assignment."""
-    curation: CurationConfig = CurationConfig()
-    """Data curation (each switch off by default)."""
-    trainer: TrainerConfig = DEMO_TRAINER
+    curation: CurationConfig = CurationConfig(dynamic_sampling=True)
+    """Data curation. The demo drops groups whose rollouts all got the same reward and tops
+    up with fresh tasks (DAPO): once most answers are right, the remaining copy mistakes are
+    rare, and only mixed groups carry a signal about them."""
+    trainer: DemoTrainer = DemoTrainer()
     """Policy update."""
     runner: RunnerConfig = RunnerConfig(concurrency=64)
     """How rollouts are run."""

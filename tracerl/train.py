@@ -215,10 +215,16 @@ def _run(
     started: float,
     specs: list[PolicySpec],
 ) -> TrainSummary:
+    t = cfg.trainer
+    total = t.total_steps or cfg.pipeline.steps * t.minibatches * t.epochs
     policies = [
         Policy(
             spec.name,
-            Trainer(spec.model, cfg.trainer.model_copy(update={"lora": spec.lora}), cfg.device),
+            Trainer(
+                spec.model,
+                t.model_copy(update={"lora": spec.lora, "total_steps": total}),
+                cfg.device,
+            ),
             stack.engines[spec.name],
             spec.roles,
         )

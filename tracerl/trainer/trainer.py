@@ -77,8 +77,9 @@ class TrainerConfig(BaseModel):
     """Optimizer steps of linear warmup."""
     schedule: Literal["constant", "cosine"] = "constant"
     """Learning rate after warmup: constant, or cosine decay to 10% over total_steps."""
-    total_steps: int = Field(default=1000, ge=1)
-    """Optimizer steps the cosine schedule spans."""
+    total_steps: int | None = Field(default=None, ge=1)
+    """Optimizer steps the cosine schedule spans; default: a run's steps x minibatches x
+    epochs (filled in by tracerl.train), else 1000."""
     minibatches: int = Field(default=1, ge=1)
     """Optimizer steps per batch of rows (PPO mini-batches; >1 makes clipping bite)."""
     epochs: int = Field(default=1, ge=1)
@@ -170,7 +171,8 @@ class Trainer:
             return (step + 1) / self.cfg.warmup_steps
         if self.cfg.schedule == "constant":
             return 1.0
-        progress = min(1.0, (step - self.cfg.warmup_steps) / max(1, self.cfg.total_steps))
+        total = self.cfg.total_steps or 1000
+        progress = min(1.0, (step - self.cfg.warmup_steps) / max(1, total))
         return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress))
 
     def train(self, rows: list[Transition]) -> TrainMetrics:
