@@ -32,3 +32,12 @@ def calculator_model_dir() -> Path:
     from tracerl.demo import ensure_calculator_model
 
     return ensure_calculator_model()
+
+
+@pytest.fixture(scope="session")
+def calculator_skilled_dir(calculator_model_dir: Path) -> Path:
+    """The demo model's first stage: it calls the calculator on nearly every task, so its
+    rollouts are multi-turn (built, and cached, on the way to calculator_model_dir)."""
+    from tracerl.demo import CalculatorRecipe, ensure_calculator_model
+
+    return ensure_calculator_model(CalculatorRecipe(habit_steps=0))

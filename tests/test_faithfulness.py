@@ -25,13 +25,13 @@ from tracerl.types import Task
 pytestmark = pytest.mark.slow
 
 
-def test_spans_are_token_faithful(calculator_model_dir: Path, tmp_path: Path) -> None:
+def test_spans_are_token_faithful(calculator_skilled_dir: Path, tmp_path: Path) -> None:
     from agent import run
     from reward import reward
     from tasks import make_tasks
 
     tasks = [Task.model_validate(t) for t in make_tasks(120, "eval", 1)]
-    stack = start_stack(calculator_model_dir, tmp_path / "traces.db")
+    stack = start_stack(calculator_skilled_dir, tmp_path / "traces.db")
     try:
         with ThreadPoolExecutor(32) as threads:
             rollouts = run_rollouts(
@@ -56,7 +56,7 @@ def test_spans_are_token_faithful(calculator_model_dir: Path, tmp_path: Path) ->
             breaks += after.prompt_ids[: len(seen)] != seen or after.prefix_break is not None
     assert breaks == 0
 
-    model = AutoModelForCausalLM.from_pretrained(calculator_model_dir, dtype=torch.float32)
+    model = AutoModelForCausalLM.from_pretrained(calculator_skilled_dir, dtype=torch.float32)
     model.eval()
     worst = 0.0
     for spans in multi_turn[:100]:

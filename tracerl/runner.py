@@ -197,32 +197,40 @@ class Runner:
         """Summed wall time of rollouts run (for utilisation: busy_s / (slots x wall))."""
 
     async def run(self, until_idle: bool = True, stop: asyncio.Event | None = None) -> None:
-        """Run workers until nothing is queued or running (until_idle) or `stop` is set.
+        """Keep up to `concurrency` rollouts running until nothing is queued or running
+        (until_idle) or `stop` is set; then let the running ones finish.
 
-        Workers drain the queue and exit; the runner then polls, backing off to once a
-        second, for rollouts that come back (a dead runner's expired lease) or new work.
-        Idle workers never poll the store, which would cost more than the work itself.
+        A slot that frees up is refilled at once (one claim for all free slots), so a
+        long-tail rollout never holds the others back. With nothing to claim, the pool
+        polls, backing off to once a second, for rollouts that come back (a dead runner's
+        expired lease) or new work.
         """
         stop = stop or asyncio.Event()
         delay = self.cfg.poll_s
+        active: set[asyncio.Task[None]] = set()
         while not stop.is_set():
-            drains = [self._drain(stop) for _ in range(self.cfg.concurrency)]
-            done = sum(await asyncio.gather(*drains))
-            if until_idle and await asyncio.to_thread(self._idle):
+            free = self.cfg.concurrency - len(active)
+            claimed = []
+            if free > 0:
+                claimed = await asyncio.to_thread(
+                    self.store.claim, self.id, free, self.cfg.lease_s
+                )
+            for rollout in claimed:
+                task = asyncio.create_task(self.run_one(rollout))
+                active.add(task)
+                task.add_done_callback(active.discard)
+            if claimed:
+                delay = self.cfg.poll_s
+                continue
+            if until_idle and not active and await asyncio.to_thread(self._idle):
                 return
-            delay = self.cfg.poll_s if done else min(2 * delay, 1.0)
-            await asyncio.sleep(delay)
-
-    async def _drain(self, stop: asyncio.Event) -> int:
-        """Claim and run rollouts until the queue is empty; returns how many ran."""
-        ran = 0
-        while not stop.is_set():
-            claimed = await asyncio.to_thread(self.store.claim, self.id, 1, self.cfg.lease_s)
-            if not claimed:
-                break
-            await self.run_one(claimed[0])
-            ran += 1
-        return ran
+            if active:  # wake when a slot frees up, or poll again after `delay`
+                await asyncio.wait(active, timeout=delay, return_when=asyncio.FIRST_COMPLETED)
+            else:
+                await asyncio.sleep(delay)
+            delay = min(2 * delay, 1.0)
+        if active:
+            await asyncio.gather(*active, return_exceptions=True)
 
     def _idle(self) -> bool:
         counts = self.store.counts()

@@ -1,4 +1,9 @@
-"""Reading traces: one rollout with each model call, as a person wants to see it."""
+"""Reading traces: one rollout with each model call, as a person wants to see it.
+
+Calls of a sub-agent sit under the call that spawned it (the span's parent), so a planner
+that runs executors — or itself, recursively — reads as a tree. Each call shows only the
+messages its conversation had not shown yet.
+"""
 
 from __future__ import annotations
 
@@ -44,6 +49,23 @@ def _span_node(span: Span, seen: int) -> Tree:
     return node
 
 
+def _shown(span: Span, earlier: list[Span]) -> int:
+    """How many of the span's messages an earlier call of its conversation already showed.
+
+    The conversation is the latest earlier call of the same role whose messages are a
+    prefix of this call's (the reply it got is the next message); 0 when none is.
+    """
+    for prev in reversed(earlier):
+        n = len(prev.messages)
+        if (
+            prev.role == span.role
+            and 0 < n < len(span.messages)
+            and span.messages[:n] == prev.messages
+        ):
+            return n + 1
+    return 0
+
+
 def show_rollout(store: Store, rollout_id: str, console: Console | None = None) -> None:
     """Print a rollout: its state, then each call (children under their parent span)."""
     console = console or Console()
@@ -53,13 +75,11 @@ def show_rollout(store: Store, rollout_id: str, console: Console | None = None) 
     console.print(_header(rollout))
     root = Tree(f"rollout {rollout.id} · task {rollout.task_id}")
     nodes: dict[str, Tree] = {}
-    seen: dict[str, int] = {}
-    for span in spans:
+    for i, span in enumerate(spans):
         parent = nodes.get(span.parent_span_id or "", root)
-        node = _span_node(span, seen.get(span.role, 0))
+        node = _span_node(span, _shown(span, spans[:i]))
         parent.add(node)
         nodes[span.id] = node
-        seen[span.role] = len(span.messages) + 1
     console.print(root)
     for r in rewards:
         where = "final" if r.span_seq is None else f"call {r.span_seq}"

@@ -2,8 +2,9 @@
 
 Routes exist twice: at /v1/... (the rollout comes from the X-Tracerl-Rollout header, or
 the call is served without recording) and at /rollouts/<id>/v1/..., so an agent is
-attributed just by its base_url. Every refusal is an OpenAI-style JSON error with a 4xx
-status; a traceback never reaches the client.
+attributed just by its base_url. A sub-agent says who spawned it with X-Tracerl-Parent: the
+`id` of the completion its parent agent received. Every refusal is an OpenAI-style JSON
+error with a 4xx status; a traceback never reaches the client.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from tracerl.types import Reward
 log = logging.getLogger(__name__)
 
 ROLLOUT_HEADER = "x-tracerl-rollout"
+PARENT_HEADER = "x-tracerl-parent"
 
 
 class RewardRequest(BaseModel):
@@ -91,7 +93,8 @@ def create_app(gateway: Gateway, with_store_api: bool = True) -> FastAPI:
             req = ChatRequest.model_validate(await _body(request))
         except ValidationError as e:
             raise invalid(e) from None
-        served = await gateway.chat(req, _rollout_id(request, rollout_id))
+        parent = request.headers.get(PARENT_HEADER)
+        served = await gateway.chat(req, _rollout_id(request, rollout_id), parent)
         if req.stream:
             usage = bool((req.stream_options or {}).get("include_usage"))
             return StreamingResponse(_chat_events(served, usage), media_type="text/event-stream")
@@ -102,7 +105,8 @@ def create_app(gateway: Gateway, with_store_api: bool = True) -> FastAPI:
             req = CompletionRequest.model_validate(await _body(request))
         except ValidationError as e:
             raise invalid(e) from None
-        served = await gateway.complete(req, _rollout_id(request, rollout_id))
+        parent = request.headers.get(PARENT_HEADER)
+        served = await gateway.complete(req, _rollout_id(request, rollout_id), parent)
         if req.stream:
             return StreamingResponse(_completion_events(served), media_type="text/event-stream")
         return _json(_completion_body(served, req.logprobs is not None))

@@ -4,6 +4,11 @@ A call is attributed to a rollout (or to none, for plain serving). The prompt is
 token-in/token-out, the engine samples n choices concurrently (it batches them with every
 other agent's calls), each choice becomes one Span in the store, and the reply is parsed
 into OpenAI message parts.
+
+The response id names the spans: a completion `chatcmpl-<hex>` (or `cmpl-<hex>`) records
+its first choice as span `<hex>` and choice i > 0 as `<hex>-<i>`. Agents that nest (a
+planner that runs an executor sub-agent) pass that id as the sub-agent's parent; it is
+stored as the sub-agent's spans' `parent_span_id`.
 """
 
 from __future__ import annotations
@@ -95,6 +100,20 @@ class ServedModel:
 
 
 @dataclass
+class _Calls:
+    """What the gateway remembers of one rollout attempt's recorded calls."""
+
+    next_seq: int
+    """Seq of the next span."""
+    span_ids: set[str]
+    """Ids of the spans recorded so far: the parents a call of this attempt may name."""
+
+
+HistoryKey = tuple[str, int, str, str | None]
+"""(rollout id, attempt, role, parent span id): one agent's conversation with one model."""
+
+
+@dataclass
 class Choice:
     """One sampled choice, ready to be written in any wire format."""
 
@@ -117,7 +136,7 @@ class Served:
     """The outcome of one call: its choices and token counts."""
 
     id: str
-    """Response id (chatcmpl-... / cmpl-...)."""
+    """Response id: chatcmpl-<span id> / cmpl-<span id> (the first choice's span)."""
     model: str
     """Model name that answered."""
     created: int
@@ -146,8 +165,8 @@ class Gateway:
         # Per-rollout memory, bounded: the oldest entries go first. A forgotten history only
         # costs a re-tokenization (recorded as a prefix break); a forgotten call counter is
         # recovered from the store.
-        self._histories: OrderedDict[tuple[str, int, str], History] = OrderedDict()
-        self._seq: OrderedDict[tuple[str, int], int] = OrderedDict()
+        self._histories: OrderedDict[HistoryKey, History] = OrderedDict()
+        self._calls: OrderedDict[tuple[str, int], _Calls] = OrderedDict()
         self.memory = memory
 
     def model(self, name: str) -> ServedModel:
@@ -181,27 +200,59 @@ class Gateway:
             )
         return rollout
 
-    async def chat(self, req: ChatRequest, rollout_id: str | None) -> Served:
-        """Serve a chat completion request."""
+    def parent(self, rollout: Rollout | None, value: str | None) -> str | None:
+        """The span id an X-Tracerl-Parent value names; 400 when this attempt has no such call.
+
+        The value is a completion id the gateway returned (chatcmpl-..., cmpl-...) or a span
+        id. Without a rollout nothing is recorded, so the value is not checked.
+        """
+        if rollout is None or value is None or not value.strip():
+            return None
+        value = value.strip()
+        span_id = value.removeprefix("chatcmpl-").removeprefix("cmpl-")
+        calls = self._attempt_calls(rollout)
+        if span_id not in calls.span_ids:
+            # Another gateway process may have recorded it: the store is the truth.
+            calls.span_ids |= {s.id for s in self._stored(rollout)}
+        if span_id not in calls.span_ids:
+            raise GatewayError(
+                400,
+                f"X-Tracerl-Parent '{value}' is not a call of rollout '{rollout.id}' "
+                f"(attempt {rollout.attempt}); send the id of a completion this rollout "
+                "received",
+                param="X-Tracerl-Parent",
+                code="parent_not_found",
+            )
+        return span_id
+
+    async def chat(
+        self, req: ChatRequest, rollout_id: str | None, parent: str | None = None
+    ) -> Served:
+        """Serve a chat completion request; `parent` is the X-Tracerl-Parent header."""
         served = self.model(req.model)
         rollout = self.rollout(rollout_id)
+        parent_id = self.parent(rollout, parent)
         try:
             messages = [normalize_message(m) for m in req.messages]
         except (ValueError, TypeError, AttributeError) as e:
             raise GatewayError(400, str(e), param="messages") from None
         tools = _tool_dicts(req.tools)
-        key = (rollout.id, rollout.attempt, req.model) if rollout else None
+        # A sub-agent of the same role as its parent (a planner calling a planner) has its
+        # own conversation: keying by parent keeps the parent's token history intact.
+        key = (rollout.id, rollout.attempt, req.model, parent_id) if rollout else None
         prompt = self._prompt(served, messages, tools, key)
         params = self._params(served, len(prompt.ids), req.token_limit(), req)
         started = time.perf_counter()
         gens = await self._sample(served, prompt.ids, params, req.n)
         latency = time.perf_counter() - started
         choices = [self._choice(served, i, g, tools is not None) for i, g in enumerate(gens)]
+        span_id = uuid.uuid4().hex
         if rollout is not None and key is not None:
             self._remember(key, messages, tools, prompt, choices)
-            self._record(rollout, req.model, messages, prompt, choices, params, latency)
+            call = _Call(span_id, req.model, parent_id, messages, prompt, params, latency)
+            self._record(rollout, call, choices)
         return Served(
-            id=f"chatcmpl-{uuid.uuid4().hex[:24]}",
+            id=f"chatcmpl-{span_id}",
             model=req.model,
             created=int(time.time()),
             choices=choices,
@@ -209,10 +260,13 @@ class Gateway:
             tokenizer=served.tokenizer,
         )
 
-    async def complete(self, req: CompletionRequest, rollout_id: str | None) -> Served:
-        """Serve a raw text completion request."""
+    async def complete(
+        self, req: CompletionRequest, rollout_id: str | None, parent: str | None = None
+    ) -> Served:
+        """Serve a raw text completion request; `parent` is the X-Tracerl-Parent header."""
         served = self.model(req.model)
         rollout = self.rollout(rollout_id)
+        parent_id = self.parent(rollout, parent)
         if isinstance(req.prompt, str):
             ids = list(served.tokenizer.encode(req.prompt))
         else:
@@ -228,10 +282,12 @@ class Gateway:
         gens = await self._sample(served, ids, params, req.n)
         latency = time.perf_counter() - started
         choices = [self._choice(served, i, g, False) for i, g in enumerate(gens)]
+        span_id = uuid.uuid4().hex
         if rollout is not None:
-            self._record(rollout, req.model, [], prompt, choices, params, latency)
+            call = _Call(span_id, req.model, parent_id, [], prompt, params, latency)
+            self._record(rollout, call, choices)
         return Served(
-            id=f"cmpl-{uuid.uuid4().hex[:24]}",
+            id=f"cmpl-{span_id}",
             model=req.model,
             created=int(time.time()),
             choices=choices,
@@ -244,7 +300,7 @@ class Gateway:
         served: ServedModel,
         messages: list[Message],
         tools: list[dict] | None,
-        key: tuple[str, int, str] | None,
+        key: HistoryKey | None,
     ) -> Prompt:
         prev = self._histories.get(key) if key else None
         try:
@@ -298,7 +354,7 @@ class Gateway:
 
     def _remember(
         self,
-        key: tuple[str, int, str],
+        key: HistoryKey,
         messages: list[Message],
         tools: list[dict] | None,
         prompt: Prompt,
@@ -317,55 +373,78 @@ class Gateway:
         while len(self._histories) > self.memory:
             self._histories.popitem(last=False)
 
-    def _record(
-        self,
-        rollout: Rollout,
-        role: str,
-        messages: list[Message],
-        prompt: Prompt,
-        choices: list[Choice],
-        params: SamplingParams,
-        latency: float,
-    ) -> None:
+    def _stored(self, rollout: Rollout) -> list[Span]:
         assert self.store is not None
-        spans = []
+        return self.store.spans(rollout.id, rollout.attempt)
+
+    def _attempt_calls(self, rollout: Rollout) -> _Calls:
+        """This attempt's call memory; recovered from the store once forgotten."""
         key = (rollout.id, rollout.attempt)
-        if key not in self._seq:
-            self._seq[key] = len(self.store.spans(rollout.id, rollout.attempt))
-            while len(self._seq) > self.memory:
-                self._seq.popitem(last=False)
+        calls = self._calls.get(key)
+        if calls is None:
+            spans = self._stored(rollout)
+            calls = _Calls(next_seq=len(spans), span_ids={s.id for s in spans})
+            self._calls[key] = calls
+            while len(self._calls) > self.memory:
+                self._calls.popitem(last=False)
+        return calls
+
+    def _record(self, rollout: Rollout, call: _Call, choices: list[Choice]) -> None:
+        assert self.store is not None
+        calls = self._attempt_calls(rollout)
+        spans = []
         for c in choices:
-            seq = self._seq[key]
-            self._seq[key] = seq + 1
             spans.append(
                 Span.model_construct(
-                    id=uuid.uuid4().hex,
+                    id=call.span_id if c.index == 0 else f"{call.span_id}-{c.index}",
                     rollout_id=rollout.id,
                     attempt=rollout.attempt,
-                    seq=seq,
-                    role=role,
+                    seq=calls.next_seq,
+                    role=call.role,
                     policy_version=c.gen.policy_version,
-                    prompt_ids=prompt.ids,
+                    prompt_ids=call.prompt.ids,
                     completion_ids=c.gen.completion_ids,
                     logprobs=c.gen.logprobs,
-                    messages=messages,
+                    messages=call.messages,
                     response={
                         "message": wire_message(c.reply, c.call_ids),
                         "finish_reason": c.finish_reason,
                     },
                     finish_reason=c.finish_reason,
-                    temperature=params.temperature,
-                    prefix_reused=prompt.reused,
-                    prefix_break=prompt.prefix_break,
-                    parent_span_id=None,
-                    latency_s=latency,
+                    temperature=call.params.temperature,
+                    prefix_reused=call.prompt.reused,
+                    prefix_break=call.prompt.prefix_break,
+                    parent_span_id=call.parent_id,
+                    latency_s=call.latency,
                     created_at=time.time(),
                 )
             )
+            calls.next_seq += 1
         try:
             self.store.add_spans(spans)
         except LeaseLost as e:
             raise GatewayError(409, str(e), code="rollout_not_running") from None
+        calls.span_ids.update(s.id for s in spans)
+
+
+@dataclass(frozen=True)
+class _Call:
+    """One served request, as its spans record it."""
+
+    span_id: str
+    """Id of the first choice's span (the response id without its prefix)."""
+    role: str
+    """The model name asked for."""
+    parent_id: str | None
+    """The span of the agent that spawned the caller, if any."""
+    messages: list[Message]
+    """The request's canonical messages ([] for plain completions)."""
+    prompt: Prompt
+    """The prompt ids and how they were built."""
+    params: SamplingParams
+    """How the choices were sampled."""
+    latency: float
+    """Seconds the engine took."""
 
 
 def decode(tokenizer: PreTrainedTokenizerBase, ids: list[int], skip_special: bool) -> str:

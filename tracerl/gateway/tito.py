@@ -3,7 +3,7 @@
 Re-tokenizing a whole conversation on every turn silently changes what the policy is
 trained on (BPE merges across turn boundaries, JSON re-serialised by the template,
 special tokens the model sampled but the template spells differently). So when a request
-extends the previous request of the same rollout and role — earlier messages unchanged,
+extends the previous request of the same rollout, role and parent agent — earlier messages unchanged,
 then the assistant message we returned, then new messages — the prompt is the previous
 prompt ids + the sampled completion ids + the tokens of the new suffix alone. When that
 does not hold, the whole prompt is tokenized afresh and the reason is recorded on the span.

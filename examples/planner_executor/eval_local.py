@@ -1,0 +1,162 @@
+"""Measures the planner-executor agent end to end with both models served by one gateway.
+
+Starts a store and a gateway answering to "planner" and "executor" (one HF engine per model
+dir), runs N held-out tasks through tracerl's runner with agent.py unchanged, and prints
+the success rate with what the traces say about each role: calls per rollout, executor
+sub-agents per rollout, and how often an executor's answer is right for the question it
+was asked.
+Usage: python examples/planner_executor/eval_local.py MODELS_DIR [--tasks 200] [--repeats 1]
+(MODELS_DIR holds planner/ and executor/, as build_models.py writes them.)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import tempfile
+from collections import Counter
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+
+from transformers import AutoTokenizer
+
+from tracerl.demo import example_dir, example_module
+from tracerl.engines.base import Engine
+from tracerl.evaluate import EvalReport, evaluate
+from tracerl.gateway import Gateway, ServedModel, create_app
+from tracerl.runner import RunnerConfig, load_callable, python_agent
+from tracerl.server import BackgroundServer, serve_in_thread
+from tracerl.stack import EngineConfig, make_engine
+from tracerl.store.sqlite import SqliteStore
+from tracerl.types import Rollout, Span, Task
+
+ROLES = ("planner", "executor")
+
+
+@dataclass
+class RolesStack:
+    """A store and a gateway serving one engine per role, on a background thread."""
+
+    store: SqliteStore
+    engines: dict[str, Engine]
+    server: BackgroundServer
+
+    @property
+    def url(self) -> str:
+        """Base URL of the gateway."""
+        return self.server.url
+
+    def close(self) -> None:
+        """Stop serving; release the engines and the store."""
+        self.server.stop()
+        for engine in self.engines.values():
+            engine.close()
+        self.store.close()
+
+
+def serve_roles(
+    model_dirs: dict[str, Path], store_path: str | Path, cfg: EngineConfig | None = None
+) -> RolesStack:
+    """Serve each model dir under its role name (the `model` agents ask for)."""
+    cfg = cfg or EngineConfig()
+    store = SqliteStore(store_path)
+    engines = {role: make_engine(path, cfg) for role, path in model_dirs.items()}
+    served = {
+        role: ServedModel(
+            role, engines[role], AutoTokenizer.from_pretrained(path), cfg.default_max_tokens
+        )
+        for role, path in model_dirs.items()
+    }
+    server = serve_in_thread(create_app(Gateway(store, served)))
+    return RolesStack(store, engines, server)
+
+
+def _last_int(text: str) -> str | None:
+    numbers = re.findall(r"-?\d+", text)
+    return numbers[-1] if numbers else None
+
+
+def executor_accuracy(spans: list[Span]) -> float:
+    """Share of executor conversations whose final answer is right for their question."""
+    agent = example_module("planner_executor", "agent")
+    expert = example_module("planner_executor", "expert")
+    finals = [s for s in spans if s.role == "executor" and s.finish_reason != "tool_calls"]
+    right = 0
+    for span in finals:
+        question = str(span.messages[1].get("content", "")) if len(span.messages) > 1 else ""
+        truth = agent.calculate(expert.expression(question))
+        message = span.response.get("message")
+        content = str(message.get("content") or "") if isinstance(message, dict) else ""
+        right += _last_int(content) == truth
+    return right / max(len(finals), 1)
+
+
+def role_stats(store: SqliteStore, rollouts: list[Rollout]) -> dict[str, object]:
+    """Per-role numbers read from the traces."""
+    spans = [s for r in rollouts for s in store.spans(r.id, r.attempt)]
+    n = max(len(rollouts), 1)
+    subagents: Counter[int] = Counter()
+    for r in rollouts:
+        parents = {s.parent_span_id for s in store.spans(r.id, r.attempt) if s.role == "executor"}
+        subagents[len(parents)] += 1
+    return {
+        "calls_per_rollout": {role: sum(s.role == role for s in spans) / n for role in ROLES},
+        "executor_subagents_per_rollout": dict(sorted(subagents.items())),
+        "executor_accuracy": round(executor_accuracy(spans), 3),
+    }
+
+
+def run_eval(
+    model_dirs: dict[str, Path],
+    n_tasks: int = 200,
+    repeats: int = 1,
+    split: str = "eval",
+    concurrency: int = 32,
+    store_path: str | Path | None = None,
+) -> tuple[EvalReport, dict[str, object]]:
+    """Serve the role -> model dir map, run n_tasks x repeats rollouts; report and role stats."""
+    tasks_mod = example_module("planner_executor", "tasks")
+    seed = 0 if split == "train" else 1
+    tasks = [Task.model_validate(t) for t in tasks_mod.make_tasks(n_tasks, split, seed)]
+    reward_fn = load_callable(f"{example_dir('planner_executor') / 'reward.py'}:reward")
+    run = load_callable(f"{example_dir('planner_executor') / 'agent.py'}:run")
+    with tempfile.TemporaryDirectory() as tmp:
+        path = store_path or Path(tmp) / "traces.db"
+        stack = serve_roles(model_dirs, path)
+        cfg = RunnerConfig(model="planner", concurrency=concurrency)
+        try:
+            with ThreadPoolExecutor(concurrency) as threads:
+                agent = python_agent(run, threads)
+                rep = evaluate(stack.store, stack.url, agent, reward_fn, tasks, repeats, cfg)
+            stats = role_stats(stack.store, stack.store.rollouts(group_id=rep.group_id))
+        finally:
+            stack.close()
+    return rep, stats
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("models_dir")
+    for role in ROLES:
+        parser.add_argument(
+            f"--{role}", default=None, help=f"{role} model dir (default: in MODELS_DIR)"
+        )
+    parser.add_argument("--tasks", type=int, default=200)
+    parser.add_argument("--repeats", type=int, default=1)
+    parser.add_argument("--split", default="eval")
+    parser.add_argument("--concurrency", type=int, default=32)
+    parser.add_argument("--store", default=None, help="keep the traces in this SQLite file")
+    args = parser.parse_args()
+    dirs = {role: Path(getattr(args, role) or Path(args.models_dir) / role) for role in ROLES}
+    rep, stats = run_eval(dirs, args.tasks, args.repeats, args.split, args.concurrency, args.store)
+    print(
+        f"success {rep.success_rate:.1%} over {rep.rollouts} rollouts · "
+        f"{rep.mean_calls:.2f} calls/rollout · {rep.wall_s:.1f} s"
+    )
+    print(json.dumps(stats))
+
+
+if __name__ == "__main__":
+    main()
