@@ -212,9 +212,7 @@ class Runner:
             free = self.cfg.concurrency - len(active)
             claimed = []
             if free > 0:
-                claimed = await asyncio.to_thread(
-                    self.store.claim, self.id, free, self.cfg.lease_s
-                )
+                claimed = await asyncio.to_thread(self.store.claim, self.id, free, self.cfg.lease_s)
             for rollout in claimed:
                 task = asyncio.create_task(self.run_one(rollout))
                 active.add(task)
