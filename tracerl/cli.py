@@ -156,8 +156,8 @@ class Demo(_Cmd):
         console.print(
             f"[bold green]held-out success {before:.1%} -> {summary.success_after:.1%}[/bold green]"
             f" in {wall / 60:.1f} min ({summary.steps} steps, {summary.rollouts_trained} "
-            f"rollouts trained) · outputs: {summary.run_dir}/ (reward.png, metrics.jsonl, tb/, "
-            "model/, summary.json, traces.db)"
+            f"rollouts trained) · outputs: {summary.run_dir}/ (reward.png, pipeline.png, "
+            "metrics.jsonl, tb/, model/, summary.json, traces.db)"
         )
 
 
