@@ -152,3 +152,22 @@ def test_lora_per_role_saves_standard_peft_adapters(
             want = loaded.merge_and_unload()(ids).logits
             got = merged(ids).logits
         assert torch.allclose(want, got, atol=1e-5)
+
+
+def test_two_policies_train_under_the_async_pipeline(
+    tiny_model_dir: Path, tmp_path: Path, monkeypatch
+) -> None:  # type: ignore[no-untyped-def]
+    roles = {"planner": RoleConfig(), "executor": RoleConfig(model=str(tiny_model_dir))}
+    cfg = _cfg(tmp_path, tiny_model_dir, roles)
+    cfg = cfg.model_copy(
+        update={"pipeline": cfg.pipeline.model_copy(update={"mode": "async", "steps": 2})}
+    )
+    seen: list[tuple[str, set[str]]] = []
+    store = _run(cfg, seen, monkeypatch)
+    spans = [s for r in store.rollouts() for s in store.spans(r.id)]
+    store.close()
+    assert sorted(tuple(trained) for _, trained in seen) == [("executor",)] * 2 + [("planner",)] * 2
+    # Both engines published each step's weights: spans come from versions 0..2 only.
+    assert {s.policy_version for s in spans} <= {0, 1, 2}
+    step = tmp_path / "roles" / "checkpoints" / "step-2"
+    assert (step / "planner" / "model").is_dir() and (step / "executor" / "model").is_dir()
