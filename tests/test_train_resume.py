@@ -9,6 +9,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -27,21 +28,24 @@ def _train(tmp: Path, model: Path, *extra: str) -> subprocess.Popen[bytes]:
     return subprocess.Popen(cmd, cwd=tmp, env=env)
 
 
-def test_sigkill_mid_step_then_resume(tiny_model_dir: Path, tmp_path: Path) -> None:
-    tasks = tmp_path / "tasks.jsonl"
-    rows = make_tasks(24, "train", 0) + make_tasks(8, "eval", 1)
+def _args(tmp: Path, model: Path, train_tasks: int, *extra: str) -> list[str]:
+    """A task file in tmp and the flags of a 4-step crash-test run."""
+    tasks = tmp / "tasks.jsonl"
+    rows = make_tasks(train_tasks, "train", 0) + make_tasks(8, "eval", 1)
     tasks.write_text("".join(json.dumps(t) + "\n" for t in rows))
-    args = [
-        "--name", "crash", "--model", str(tiny_model_dir), "--tasks", str(tasks),
+    return [
+        "--name", "crash", "--model", str(model), "--tasks", str(tasks),
         "--agent", f"{ROOT}/tests/agents/slow_agent.py:run",
         "--reward", f"{ROOT}/examples/calculator/reward.py:reward",
         "--pipeline.steps", "4", "--pipeline.tasks_per_step", "4", "--pipeline.group_size", "2",
-        "--pipeline.eval_every", "0", "--no-eval_before", "--runner.lease_s", "2",
+        "--pipeline.eval_every", "0", "--no-eval_before", "--runner.lease_s", "2", *extra,
     ]  # fmt: skip
-    run = tmp_path / "runs" / "crash"
-    proc = _train(tmp_path, tiny_model_dir, *args)
+
+
+def _kill_when(proc: subprocess.Popen[bytes], run: Path, in_flight: Callable[[str], bool]) -> None:
+    """SIGKILL `proc` once a checkpoint exists and a running rollout's group passes
+    `in_flight`."""
     deadline = time.monotonic() + 240
-    # Kill once step 1 is checkpointed and step 2's rollouts are being generated.
     while True:
         assert proc.poll() is None, "training ended before it could be killed"
         assert time.monotonic() < deadline
@@ -50,7 +54,7 @@ def test_sigkill_mid_step_then_resume(tiny_model_dir: Path, tmp_path: Path) -> N
             busy = [
                 r
                 for r in store.rollouts(status=RolloutStatus.running)
-                if "/step1/" in (r.group_id or "")
+                if in_flight(r.group_id or "")
             ]
             store.close()
             if busy:
@@ -58,6 +62,13 @@ def test_sigkill_mid_step_then_resume(tiny_model_dir: Path, tmp_path: Path) -> N
         time.sleep(0.05)
     proc.send_signal(signal.SIGKILL)
     proc.wait()
+
+
+def test_sigkill_mid_step_then_resume(tiny_model_dir: Path, tmp_path: Path) -> None:
+    run = tmp_path / "runs" / "crash"
+    proc = _train(tmp_path, tiny_model_dir, *_args(tmp_path, tiny_model_dir, 24))
+    # Kill once step 1 is checkpointed and step 2's rollouts are being generated.
+    _kill_when(proc, run, lambda group: "/step1/" in group)
     done_before = json.loads((run / "checkpoints" / "step-1" / "pipeline.json").read_text())
     assert done_before["step"] == 1
 
@@ -81,33 +92,13 @@ def test_sigkill_mid_step_then_resume(tiny_model_dir: Path, tmp_path: Path) -> N
 def test_async_sigkill_with_rollouts_in_flight_then_resume(
     tiny_model_dir: Path, tmp_path: Path
 ) -> None:
-    tasks = tmp_path / "tasks.jsonl"
-    rows = make_tasks(40, "train", 0) + make_tasks(8, "eval", 1)
-    tasks.write_text("".join(json.dumps(t) + "\n" for t in rows))
-    args = [
-        "--name", "crash", "--model", str(tiny_model_dir), "--tasks", str(tasks),
-        "--agent", f"{ROOT}/tests/agents/slow_agent.py:run",
-        "--reward", f"{ROOT}/examples/calculator/reward.py:reward",
-        "--pipeline.mode", "async", "--pipeline.max_staleness", "2",
-        "--pipeline.steps", "4", "--pipeline.tasks_per_step", "4", "--pipeline.group_size", "2",
-        "--pipeline.eval_every", "0", "--no-eval_before", "--runner.lease_s", "2",
-    ]  # fmt: skip
+    args = _args(
+        tmp_path, tiny_model_dir, 40, "--pipeline.mode", "async", "--pipeline.max_staleness", "2"
+    )
     run = tmp_path / "runs" / "crash"
     proc = _train(tmp_path, tiny_model_dir, *args)
-    deadline = time.monotonic() + 240
     # Kill once a checkpoint exists and rollouts are in flight (generation never stops).
-    while True:
-        assert proc.poll() is None, "training ended before it could be killed"
-        assert time.monotonic() < deadline
-        if (run / "checkpoints" / "latest").exists() and (run / "traces.db").exists():
-            store = SqliteStore(run / "traces.db")
-            busy = [r.id for r in store.rollouts(status=RolloutStatus.running)]
-            store.close()
-            if busy:
-                break
-        time.sleep(0.05)
-    proc.send_signal(signal.SIGKILL)
-    proc.wait()
+    _kill_when(proc, run, lambda group: True)
     latest = (run / "checkpoints" / "latest").read_text().strip()
     at_kill = json.loads((run / "checkpoints" / latest / "pipeline.json").read_text())
     store = SqliteStore(run / "traces.db")
