@@ -117,6 +117,18 @@ GroupSize = Callable[[Task], int]
 """Rollouts to issue for a task (adaptive group size)."""
 
 
+def _sizer(group_size: int | GroupSize) -> GroupSize:
+    """A fixed group size as a function of the task, like an adaptive one."""
+    return group_size if callable(group_size) else (lambda task: group_size)
+
+
+def issue_group(store: Store, gid: str, task: Task, size: int, max_attempts: int) -> None:
+    """Queue `size` rollouts of `task` under `gid`, unless a resumed run already did."""
+    store.add_tasks([task])
+    if not store.rollouts(group_id=gid):
+        store.enqueue([task.id] * size, gid, max_attempts)
+
+
 class SyncSource:
     """Issues a step's rollouts and waits for all of them (reusing any already issued).
 
@@ -137,8 +149,7 @@ class SyncSource:
     ) -> None:
         self.run, self.store, self.runner = run, store, runner
         self.order, self.max_attempts = order, max_attempts
-        self.size: GroupSize = group_size if callable(group_size) else (lambda t: group_size)
-        self.curate, self.max_topups = curate, max_topups
+        self.size, self.curate, self.max_topups = _sizer(group_size), curate, max_topups
         self.stats = SourceStats()
 
     def group_id(self, step: int, index: int, task: Task) -> str:
@@ -146,10 +157,8 @@ class SyncSource:
         return f"{self.run}/step{step}/{index}-{task.id}"
 
     def _run(self, ids: list[tuple[str, Task]]) -> list[Group]:
-        self.store.add_tasks(list({t.id: t for _, t in ids}.values()))
         for gid, task in ids:
-            if not self.store.rollouts(group_id=gid):
-                self.store.enqueue([task.id] * self.size(task), gid, self.max_attempts)
+            issue_group(self.store, gid, task, self.size(task), self.max_attempts)
         asyncio.run(self.runner.run(until_idle=True))
         return [Group(gid, task, self.store.rollouts(group_id=gid)) for gid, task in ids]
 
@@ -229,7 +238,7 @@ class AsyncSource:
         poll_s: float = 0.02,
     ) -> None:
         self.run, self.store, self.runner, self.order = run, store, runner, order
-        self.size: GroupSize = group_size if callable(group_size) else (lambda t: group_size)
+        self.size = _sizer(group_size)
         self.version, self.max_staleness, self.stale = version, max_staleness, stale
         per_step = order.per_step
         self.limit = (max_staleness + 1) * per_step
@@ -259,9 +268,7 @@ class AsyncSource:
             while not self.paused and len(self.pending) < self.limit:
                 task = self.order.task(self.issued)
                 gid = self.group_id(self.issued, task)
-                self.store.add_tasks([task])
-                if not self.store.rollouts(group_id=gid):  # a resumed run may have it
-                    self.store.enqueue([task.id] * self.size(task), gid, self.max_attempts)
+                issue_group(self.store, gid, task, self.size(task), self.max_attempts)
                 self.pending.append(_Pending(self.issued, gid, task))
                 self.issued += 1
 

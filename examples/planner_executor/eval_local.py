@@ -17,60 +17,16 @@ import re
 import tempfile
 from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
 from pathlib import Path
 
-from transformers import AutoTokenizer
-
 from tracerl.demo import example_dir, example_module
-from tracerl.engines.base import Engine
 from tracerl.evaluate import EvalReport, evaluate
-from tracerl.gateway import Gateway, ServedModel, create_app
 from tracerl.runner import RunnerConfig, load_callable, python_agent
-from tracerl.server import BackgroundServer, serve_in_thread
-from tracerl.stack import EngineConfig, make_engine
+from tracerl.stack import start_multi_stack
 from tracerl.store.sqlite import SqliteStore
 from tracerl.types import Rollout, Span, Task
 
 ROLES = ("planner", "executor")
-
-
-@dataclass
-class RolesStack:
-    """A store and a gateway serving one engine per role, on a background thread."""
-
-    store: SqliteStore
-    engines: dict[str, Engine]
-    server: BackgroundServer
-
-    @property
-    def url(self) -> str:
-        """Base URL of the gateway."""
-        return self.server.url
-
-    def close(self) -> None:
-        """Stop serving; release the engines and the store."""
-        self.server.stop()
-        for engine in self.engines.values():
-            engine.close()
-        self.store.close()
-
-
-def serve_roles(
-    model_dirs: dict[str, Path], store_path: str | Path, cfg: EngineConfig | None = None
-) -> RolesStack:
-    """Serve each model dir under its role name (the `model` agents ask for)."""
-    cfg = cfg or EngineConfig()
-    store = SqliteStore(store_path)
-    engines = {role: make_engine(path, cfg) for role, path in model_dirs.items()}
-    served = {
-        role: ServedModel(
-            role, engines[role], AutoTokenizer.from_pretrained(path), cfg.default_max_tokens
-        )
-        for role, path in model_dirs.items()
-    }
-    server = serve_in_thread(create_app(Gateway(store, served)))
-    return RolesStack(store, engines, server)
 
 
 def _last_int(text: str) -> str | None:
@@ -124,7 +80,7 @@ def run_eval(
     run = load_callable(f"{example_dir('planner_executor') / 'agent.py'}:run")
     with tempfile.TemporaryDirectory() as tmp:
         path = store_path or Path(tmp) / "traces.db"
-        stack = serve_roles(model_dirs, path)
+        stack = start_multi_stack(model_dirs, {role: role for role in model_dirs}, path)
         cfg = RunnerConfig(model="planner", concurrency=concurrency)
         try:
             with ThreadPoolExecutor(concurrency) as threads:
