@@ -259,7 +259,12 @@ def test_reward_over_http(served) -> None:  # type: ignore[no-untyped-def]
     rid = _running_rollout(store)
     resp = httpx.post(f"{server.url}/rollouts/{rid}/reward", json={"value": 0.5})
     assert resp.status_code == 200
-    assert [r.value for r in store.rewards(rid)] == [0.5]
+    resp = httpx.post(f"{server.url}/rollouts/{rid}/reward", json={"value": 1, "role": "executor"})
+    assert resp.status_code == 200
+    assert [(r.value, r.role) for r in store.rewards(rid)] == [(0.5, None), (1.0, "executor")]
+    both = {"value": 1, "role": "executor", "span_seq": 0}
+    resp = httpx.post(f"{server.url}/rollouts/{rid}/reward", json=both)
+    assert resp.status_code == 400 and "not both" in resp.json()["error"]["message"]
 
 
 def test_bounded_memory_recovers_call_numbers_from_the_store(tiny_model_dir: Path) -> None:

@@ -207,6 +207,26 @@ def test_step_rewards_move_only_their_row_against_the_rollout_baseline() -> None
     )
 
 
+def test_role_rewards_replace_the_outcome_for_their_role_only() -> None:
+    # The executor is judged on its own work (1 in rollout b, 0 elsewhere; d never called
+    # it, so its role reward has no row); the planner keeps the outcome (1, 0, 1, 0).
+    out_rows = []
+    for x, (reward, _) in ROLLOUTS.items():
+        roles = {"executor": 1.0} if x in ("b", "d") else {"executor": 0.0}
+        out_rows += spans_to_transitions(
+            rollout_spans(x), reward, None, roles, group_id="g", task_id="t"
+        )
+    out = compute_advantages(DrGRPO(), out_rows)
+    planner = {r.rollout_id: _scalar(r) for r in out if r.role == "planner"}
+    assert planner == pytest.approx({"a": 0.5, "b": -0.5, "c": 0.5, "d": -0.5})
+    executor = [r for r in out if r.role == "executor"]
+    assert [(r.rollout_id, r.reward) for r in executor] == [("a", 0.0)] + [("b", 1.0)] * 3 + [
+        ("c", 0.0)
+    ] * 2
+    # Executor returns a = 0, b = 1, c = 0 (the outcome would have said 1, 0, 1): baseline 1/3.
+    assert [_scalar(r) for r in executor] == pytest.approx([-1 / 3] + [2 / 3] * 3 + [-1 / 3] * 2)
+
+
 @pytest.mark.parametrize(
     ("normalize", "aggregation"), [("token", "token"), ("sequence", "sequence")]
 )

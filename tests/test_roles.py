@@ -16,6 +16,7 @@ from transformers import AutoModelForCausalLM
 
 from tracerl.pipeline import PipelineConfig
 from tracerl.runner import RunnerConfig, python_agent
+from tracerl.stack import start_stack
 from tracerl.store.sqlite import SqliteStore
 from tracerl.train import RoleConfig, TrainConfig, policy_specs, train
 from tracerl.trainer.trainer import LoraSettings, Trainer, TrainerConfig
@@ -93,10 +94,17 @@ def test_role_mapping_resolves_each_sharing_mode() -> None:
     adapters = specs({"a": RoleConfig(lora=lora), "b": RoleConfig()})
     assert adapters[0].lora == lora and adapters[1].lora is None
     assert [p.roles for p in specs({})] == [["policy"]]  # no roles: one policy
+    remote = specs({"a": RoleConfig(), "b": RoleConfig(url="http://h:8000/v1")})
+    assert [p.name for p in remote] == ["a"]  # a remote role is no policy of ours
     bad = [
-        ({"b": RoleConfig(share="a")}, "not a role with weights"),
+        ({"b": RoleConfig(share="a")}, "not a role with local weights"),
         ({"a": RoleConfig(), "b": RoleConfig(share="a", model="/x")}, "set model"),
         ({"a": RoleConfig(frozen=True)}, "nothing to train"),
+        ({"a": RoleConfig(url="http://h/v1")}, "nothing to train"),
+        ({"a": RoleConfig(), "b": {"url": "http://h/v1", "model": "/x"}}, "no local model"),
+        ({"a": RoleConfig(), "b": {"url": "h:8000"}}, "expected http"),
+        ({"a": RoleConfig(), "b": {"remote_model": "gpt"}}, "need a url"),
+        ({"a": RoleConfig(url="http://h/v1"), "b": RoleConfig(share="a")}, "local weights"),
     ]
     for roles, message in bad:
         with pytest.raises(ValueError, match=message):
@@ -171,3 +179,85 @@ def test_two_policies_train_under_the_async_pipeline(
     assert {s.policy_version for s in spans} <= {0, 1, 2}
     step = tmp_path / "roles" / "checkpoints" / "step-2"
     assert (step / "planner" / "model").is_dir() and (step / "executor" / "model").is_dir()
+
+
+def _async(cfg: TrainConfig, steps: int) -> TrainConfig:
+    """The same run under the async pipeline with no staleness allowed at all."""
+    pipeline = cfg.pipeline.model_copy(update={"mode": "async", "steps": steps, "max_staleness": 0})
+    return cfg.model_copy(update={"pipeline": pipeline})
+
+
+def _metrics(run: Path) -> list[dict]:  # type: ignore[type-arg]
+    return [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_frozen_role_never_ages_in_the_async_pipeline(
+    tiny_model_dir: Path, tmp_path: Path, monkeypatch
+) -> None:  # type: ignore[no-untyped-def]
+    # The frozen executor's spans stay at version 0 while the planner moves on; with
+    # max_staleness 0 they would be stale from step 1 if frozen spans counted.
+    roles = {"planner": RoleConfig(), "executor": RoleConfig(frozen=True)}
+    seen: list[tuple[str, set[str]]] = []
+    _run(_async(_cfg(tmp_path, tiny_model_dir, roles), 3), seen, monkeypatch).close()
+    assert [trained for _, trained in seen] == [{"planner"}] * 3
+    steps = [m for m in _metrics(tmp_path / "roles") if "pipeline/stale_requeued" in m]
+    assert len(steps) == 3
+    assert all(m["pipeline/stale_requeued"] == m["pipeline/stale_dropped"] == 0 for m in steps)
+
+
+def judged_executor(task: dict, *, base_url: str, api_key: str, model: str) -> str:
+    """two_roles, and the agent judges its executor itself: a per-role reward over HTTP."""
+    answer = two_roles(task, base_url=base_url, api_key=api_key, model=model)
+    reward_url = base_url.removesuffix("/v1") + "/reward"
+    value = 0.25 * task["subtasks"]
+    CLIENT.post(reward_url, json={"value": value, "role": "executor"}).raise_for_status()
+    return answer
+
+
+def test_role_reward_credits_its_role_and_the_outcome_the_others(
+    tiny_model_dir: Path, tmp_path: Path, monkeypatch
+) -> None:  # type: ignore[no-untyped-def]
+    rows: list[Transition] = []
+    original = Trainer.train
+
+    def keep(self: Trainer, batch: list[Transition]):  # type: ignore[no-untyped-def]
+        rows.extend(batch)
+        return original(self, batch)
+
+    monkeypatch.setattr(Trainer, "train", keep)
+    roles = {"planner": RoleConfig(), "executor": RoleConfig(model=str(tiny_model_dir))}
+    cfg = _cfg(tmp_path, tiny_model_dir, roles)
+    with ThreadPoolExecutor(4) as threads:
+        agent = python_agent(judged_executor, threads)
+        train(cfg, agent, reward, (_tasks(4, "t"), _tasks(2, "e")))
+    store = SqliteStore(tmp_path / "roles" / "traces.db")
+    outcome = {r.id: r.reward for r in store.rollouts()}
+    store.close()
+    subtasks = {f"t{i}": 1 + i % 2 for i in range(4)}
+    executor = [r for r in rows if r.role == "executor"]
+    planner = [r for r in rows if r.role == "planner"]
+    assert executor and planner
+    assert all(r.reward == 0.25 * subtasks[r.task_id] for r in executor)
+    assert all(r.reward == outcome[r.rollout_id] for r in planner)
+
+
+def test_remote_role_is_recorded_as_text_and_never_trained(
+    tiny_model_dir: Path, tmp_path: Path, monkeypatch
+) -> None:  # type: ignore[no-untyped-def]
+    # The executor is another OpenAI-compatible server (here: a second tracerl stack).
+    upstream = start_stack(tiny_model_dir, tmp_path / "upstream.db", model_name="tiny")
+    try:
+        remote = RoleConfig(url=f"{upstream.url}/v1", remote_model="tiny")
+        roles = {"planner": RoleConfig(), "executor": remote}
+        seen: list[tuple[str, set[str]]] = []
+        cfg = _async(_cfg(tmp_path, tiny_model_dir, roles), 2)
+        store = _run(cfg, seen, monkeypatch)
+    finally:
+        upstream.close()
+    spans = [s for r in store.rollouts() for s in store.spans(r.id)]
+    store.close()
+    executor = [s for s in spans if s.role == "executor"]
+    assert executor and all(s.completion_ids == [] and s.policy_version == -1 for s in executor)
+    assert all(isinstance(s.response["message"]["content"], str) for s in executor)
+    assert [trained for _, trained in seen] == [{"planner"}] * 2  # never stale, never trained
+    assert (tmp_path / "roles" / "model" / "config.json").exists()  # the one trained policy

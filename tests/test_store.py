@@ -6,6 +6,7 @@ StoreClient against a live uvicorn server, so both sides of the Store protocol a
 
 from __future__ import annotations
 
+import sqlite3
 import subprocess
 import sys
 import threading
@@ -341,10 +342,14 @@ def test_span_errors(store: Store) -> None:
 def test_rewards_of_finished_rollout_are_refused(store: Store) -> None:
     (r,) = running(store)
     store.add_reward(Reward(rollout_id=r.id, attempt=1, value=0.1, span_seq=0, name="format"))
+    store.add_reward(Reward(rollout_id=r.id, attempt=1, value=0.5, role="executor"))
     store.finish(r.id, 1, S.succeeded, reward=1.0)
     with pytest.raises(LeaseLost):
         store.add_reward(Reward(rollout_id=r.id, attempt=1, value=2.0))
-    assert [(w.name, w.value) for w in store.rewards(r.id)] == [("format", 0.1), ("reward", 1.0)]
+    got = [(w.name, w.value, w.span_seq, w.role) for w in store.rewards(r.id)]
+    assert got == [("format", 0.1, 0, None), ("reward", 0.5, None, "executor")] + [
+        ("reward", 1.0, None, None)
+    ]
 
 
 # -- versions -----------------------------------------------------------------------------
@@ -392,6 +397,24 @@ def test_file_store_reopens_with_everything(tmp_path: Path) -> None:
     assert again.tasks() == tasks(1)
     assert again.latest_version() is not None
     again.close()
+
+
+def test_a_file_written_before_role_rewards_opens_and_gains_the_column(tmp_path: Path) -> None:
+    path = tmp_path / "old.db"
+    db = sqlite3.connect(path)  # the rewards table as it was first shipped
+    db.execute(
+        "CREATE TABLE rewards (rollout_id TEXT NOT NULL, attempt INTEGER NOT NULL, "
+        "value REAL NOT NULL, span_seq INTEGER, name TEXT NOT NULL, created_at REAL NOT NULL)"
+    )
+    db.execute("INSERT INTO rewards VALUES ('r0', 1, 0.25, NULL, 'reward', 1.0)")
+    db.commit()
+    db.close()
+    store = SqliteStore(path)
+    (r,) = running(store)
+    store.add_reward(Reward(rollout_id=r.id, attempt=1, value=1.0, role="planner"))
+    assert [w.role for w in store.rewards(r.id)] == ["planner"]
+    assert [(w.value, w.role) for w in store.rewards("r0", 1)] == [(0.25, None)]
+    store.close()
 
 
 def test_committed_writes_survive_a_killed_process(tmp_path: Path) -> None:

@@ -22,7 +22,7 @@ import json
 import os
 import shutil
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
@@ -128,11 +128,14 @@ def rows_for(store: Store, groups: list[Group], algorithm: Algorithm) -> list[Tr
         for r in group.rollouts:
             if not is_trainable(r):
                 continue  # timed out by the runner or lost: no outcome to learn from
-            steps = {w.span_seq: w.value for w in store.rewards(r.id) if w.span_seq is not None}
+            rewards = store.rewards(r.id, r.attempt)
+            steps = {w.span_seq: w.value for w in rewards if w.span_seq is not None}
+            by_role = {w.role: w.value for w in rewards if w.role is not None}  # last wins
             rows += spans_to_transitions(
-                store.spans(r.id),
+                store.spans(r.id, r.attempt),
                 r.reward or 0.0,
-                {k: v for k, v in steps.items() if k is not None} or None,
+                steps or None,
+                by_role or None,
                 group_id=group.id,
                 task_id=group.task.id,
             )
@@ -366,8 +369,10 @@ def make_source(
     on_finish: Callable[[Rollout], None] | None = None,
     version: Callable[[], int] | None = None,
     curator: Curator | None = None,
+    trained_roles: Collection[str] | None = None,
 ) -> SyncSource | AsyncSource:
-    """The rollout source for cfg.mode; `version` (the trainer's) is needed for 'async'."""
+    """The rollout source for cfg.mode; `version` (the trainer's) is needed for 'async',
+    `trained_roles` (default: all) for its staleness (frozen roles never age)."""
     runner = Runner(store, gateway_url, agent, reward_fn, runner_cfg, on_finish=on_finish)
     order = TaskOrder(tasks, cfg.tasks_per_step, cfg.seed)
     size: int | GroupSize = cfg.group_size
@@ -389,4 +394,5 @@ def make_source(
         window=cfg.window,
         stale=cfg.stale,
         curate=curate,
+        trained_roles=trained_roles,
     )

@@ -288,7 +288,11 @@ class Runner:
         """The agent's own reward, else one it emitted over HTTP, else the reward function."""
         if result.reward is not None:
             return result.reward
-        emitted = [r for r in self.store.rewards(rollout.id, rollout.attempt) if r.span_seq is None]
+        emitted = [
+            r
+            for r in self.store.rewards(rollout.id, rollout.attempt)
+            if r.span_seq is None and r.role is None
+        ]
         if emitted:
             return emitted[-1].value
         if self.reward_fn is None:

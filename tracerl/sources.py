@@ -19,7 +19,7 @@ import asyncio
 import random
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
 from typing import Literal, Protocol
 
@@ -236,8 +236,11 @@ class AsyncSource:
         max_attempts: int = 3,
         curate: Curate | None = None,
         poll_s: float = 0.02,
+        trained_roles: Collection[str] | None = None,
     ) -> None:
         self.run, self.store, self.runner, self.order = run, store, runner, order
+        # Only trained roles' spans age: a frozen role's weights never change.
+        self.trained_roles = None if trained_roles is None else frozenset(trained_roles)
         self.size = _sizer(group_size)
         self.version, self.max_staleness, self.stale = version, max_staleness, stale
         per_step = order.per_step
@@ -308,8 +311,14 @@ class AsyncSource:
     # -- taking batches (trainer thread) ---------------------------------------------
 
     def _stale(self, rollout: Rollout, current: int) -> int:
-        """current version - the oldest version that sampled any of the rollout's spans."""
-        versions = [s.policy_version for s in self.store.spans(rollout.id, rollout.attempt)]
+        """current version - the oldest version that sampled any of the rollout's trained
+        spans (a frozen role's, or a remote role's text-only spans, do not age)."""
+        roles = self.trained_roles
+        versions = [
+            s.policy_version
+            for s in self.store.spans(rollout.id, rollout.attempt)
+            if s.completion_ids and (roles is None or s.role in roles)
+        ]
         return current - min(versions) if versions else 0
 
     def _complete(self, p: _Pending, current: int) -> Group | None:

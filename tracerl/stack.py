@@ -15,6 +15,7 @@ from transformers import AutoTokenizer
 
 from tracerl.engines.base import Engine
 from tracerl.gateway import Gateway, ServedModel, create_app
+from tracerl.gateway.remote import RemoteModel
 from tracerl.server import BackgroundServer, serve_in_thread
 from tracerl.store.sqlite import SqliteStore
 
@@ -108,9 +109,11 @@ def start_multi_stack(
     engine_cfg: EngineConfig | None = None,
     host: str = "127.0.0.1",
     port: int = 0,
+    remote: dict[str, RemoteModel] | None = None,
 ) -> LocalStack:
     """One engine per entry of `models` (policy -> model dir); the gateway answers to each
-    role of `roles` (role -> policy) with that policy's engine."""
+    role of `roles` (role -> policy) with that policy's engine, and to each role of
+    `remote` by forwarding to its OpenAI-compatible URL."""
     engine_cfg = engine_cfg or EngineConfig()
     missing = sorted(set(roles.values()) - set(models))
     if missing:
@@ -122,6 +125,6 @@ def start_multi_stack(
         role: ServedModel(role, engines[policy], tokenizers[policy], engine_cfg.default_max_tokens)
         for role, policy in roles.items()
     }
-    gateway = Gateway(store, served)
+    gateway = Gateway(store, served, remote=remote)
     server = serve_in_thread(create_app(gateway), host, port)
     return LocalStack(store, engines, gateway, server)

@@ -35,9 +35,14 @@ def _span_node(span: Span, seen: int) -> Tree:
         if span.prefix_break is None
         else f"[red]prefix break: {span.prefix_break}[/red]"
     )
+    tokens = (
+        f"policy v{span.policy_version} · {len(span.prompt_ids)} prompt tok ({reuse}) · "
+        f"{len(span.completion_ids)} completion tok"
+        if span.completion_ids
+        else "remote, text only"  # a frozen role served by a URL elsewhere
+    )
     head = (
-        f"call {span.seq} · role {span.role} · policy v{span.policy_version} · "
-        f"{len(span.prompt_ids)} prompt tok ({reuse}) · {len(span.completion_ids)} completion tok"
+        f"call {span.seq} · role {span.role} · {tokens}"
         f" · {span.latency_s * 1000:.1f} ms · {span.finish_reason}"
     )
     node = Tree(head)
@@ -83,6 +88,7 @@ def show_rollout(store: Store, rollout_id: str, console: Console | None = None) 
     console.print(root)
     for r in rewards:
         where = "final" if r.span_seq is None else f"call {r.span_seq}"
+        where = f"role {r.role}" if r.role is not None else where
         console.print(f"reward {r.name} ({where}): {r.value:g}")
 
 

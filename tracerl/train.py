@@ -14,11 +14,12 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 from tqdm import tqdm
 
 from tracerl.curation import CurationConfig, Curator
 from tracerl.evaluate import EvalReport, evaluate, load_tasks
+from tracerl.gateway.remote import RemoteModel
 from tracerl.metrics import MetricsLog, plot_pipeline, plot_rewards
 from tracerl.pipeline import (
     AlgorithmConfig,
@@ -51,6 +52,25 @@ class RoleConfig(BaseModel):
     lora: LoraSettings | None = None
     """A LoRA adapter of its own on `model` (saved as a standard peft adapter); default:
     the run's trainer.lora."""
+    url: str | None = None
+    """Served by this OpenAI-compatible server instead (base URL up to /v1): frozen, its
+    calls recorded as text (no tokens), never trained."""
+    remote_model: str | None = None
+    """With `url`: the model name that server knows; default: the role's name."""
+    api_key_env: str | None = None
+    """With `url`: the environment variable holding its API key (sent as a bearer token)."""
+
+    @model_validator(mode="after")
+    def _remote_alone(self) -> RoleConfig:
+        if self.url is None:
+            if self.remote_model or self.api_key_env:
+                raise ValueError("remote_model and api_key_env need a url")
+            return self
+        if not self.url.startswith(("http://", "https://")):
+            raise ValueError(f"url {self.url!r}: expected http(s)://host[:port]/v1")
+        if self.model or self.share or self.lora:
+            raise ValueError("a role served by a url has no local model, share or lora")
+        return self
 
 
 @dataclass
@@ -70,7 +90,7 @@ def policy_specs(cfg: TrainConfig) -> list[PolicySpec]:
     roles = cfg.roles or {cfg.model_name: RoleConfig()}
     specs: dict[str, PolicySpec] = {}
     for role, rc in roles.items():
-        if rc.share is None:
+        if rc.share is None and rc.url is None:
             lora = rc.lora or cfg.trainer.lora
             specs[role] = PolicySpec(role, rc.model or cfg.model, [role], rc.frozen, lora)
     for role, rc in roles.items():
@@ -78,7 +98,8 @@ def policy_specs(cfg: TrainConfig) -> list[PolicySpec]:
             continue
         if rc.share not in specs:
             raise ValueError(
-                f"role {role!r} shares {rc.share!r}, which is not a role with weights of its own"
+                f"role {role!r} shares {rc.share!r}, which is not a role with local weights "
+                "of its own"
             )
         if rc.model or rc.lora or rc.frozen:
             raise ValueError(
@@ -89,6 +110,15 @@ def policy_specs(cfg: TrainConfig) -> list[PolicySpec]:
     if all(spec.frozen for spec in specs.values()):
         raise ValueError("every role is frozen: there is nothing to train")
     return list(specs.values())
+
+
+def remote_roles(cfg: TrainConfig) -> dict[str, RemoteModel]:
+    """The roles served by OpenAI-compatible URLs elsewhere (frozen, recorded as text)."""
+    return {
+        role: RemoteModel(role, rc.url, rc.remote_model or role, rc.api_key_env)
+        for role, rc in cfg.roles.items()
+        if rc.url is not None
+    }
 
 
 class TrainConfig(BaseModel):
@@ -187,6 +217,7 @@ def train(
         {role: p.name for p in specs for role in p.roles},
         run_dir / "traces.db",
         cfg.engine,
+        remote=remote_roles(cfg),
     )
     log = MetricsLog(run_dir)
     threads = ThreadPoolExecutor(cfg.runner.concurrency)
@@ -247,6 +278,7 @@ def _run(
         runner_cfg,
         version=lambda: trainer.version,
         curator=curator,
+        trained_roles=[role for p in policies for role in p.roles],
     )
     try:
         return _loop(

@@ -169,6 +169,9 @@ class Reward(_Record):
     """The reward."""
     span_seq: int | None = None
     """For a per-step reward, the seq of the span it rewards; None for the final reward."""
+    role: str | None = None
+    """For a per-role final reward, the role it credits: that role's rows take it instead
+    of the trajectory's outcome. None credits the whole trajectory (every role)."""
     name: str = "reward"
     """A label for reports (e.g. 'correct', 'format')."""
     created_at: float = Field(default_factory=time.time)

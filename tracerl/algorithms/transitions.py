@@ -6,10 +6,14 @@ appears once: the sampled completions carry mask 1 and their behaviour log-probs
 tool/user turns in between carry mask 0. A call whose prompt does not extend any open row
 (edited history, template drift, a second conversation) starts a new row.
 
-Returns: every row gets the rollout's final reward; a per-step reward (keyed by span seq)
-is added to the return of the row that holds that span only (undiscounted, not propagated
-to other rows). With prefix merging a rollout is usually one row, so step rewards then just
-add to the rollout's total return.
+Returns: every row gets the rollout's final reward (the trajectory's outcome), unless its
+role was given a reward of its own (`role_rewards`), which replaces the outcome for that
+role's rows; a per-step reward (keyed by span seq) is added to the return of the row that
+holds that span only (undiscounted, not propagated to other rows). With prefix merging a
+role's conversation is usually one row, so step rewards then just add to its total return.
+
+A span without tokens (a frozen role served by a remote OpenAI-compatible URL records text
+only) cannot be trained and makes no row.
 """
 
 from __future__ import annotations
@@ -73,6 +77,7 @@ def spans_to_transitions(
     spans: list[Span],
     reward: float,
     step_rewards: dict[int, float] | None = None,
+    role_rewards: dict[str, float] | None = None,
     *,
     group_id: str,
     task_id: str,
@@ -80,7 +85,8 @@ def spans_to_transitions(
     """Turn the spans of one rollout attempt into training rows, one or more per role.
 
     Roles come out in order of first appearance, and a role's rows in order of their first
-    call. `step_rewards` maps a span seq to a reward added to its row's return.
+    call. `step_rewards` maps a span seq to a reward added to its row's return;
+    `role_rewards` maps a role to the final reward its rows take instead of `reward`.
     """
     if not spans:
         return []
@@ -89,12 +95,14 @@ def spans_to_transitions(
         raise ValueError(f"spans of one rollout attempt expected, got {sorted(rollout_ids)}")
     by_role: dict[str, list[Span]] = {}
     for span in spans:
-        by_role.setdefault(span.role, []).append(span)
-    steps = step_rewards or {}
+        if span.completion_ids:
+            by_role.setdefault(span.role, []).append(span)
+    steps, roles = step_rewards or {}, role_rewards or {}
     out = []
-    for role_spans in by_role.values():
+    for role, role_spans in by_role.items():
+        final = roles.get(role, reward)
         for row in _merge_role(sorted(role_spans, key=lambda s: s.seq)):
-            ret = reward + sum(steps.get(seq, 0.0) for seq in row.seqs)
+            ret = final + sum(steps.get(seq, 0.0) for seq in row.seqs)
             out.append(_freeze(row, spans[0].rollout_id, group_id, task_id, ret))
     return out
 

@@ -1,8 +1,9 @@
 """The engine interface: generate from token ids, load a new policy version.
 
-Small on purpose, so that a transformers engine (CPU or GPU), a vLLM engine and an
-OpenAI passthrough all fit behind it. The gateway owns tokenization and chat templates;
-an engine sees only ids.
+Small on purpose, so that a transformers engine (CPU or GPU) and a vLLM engine both fit
+behind it. The gateway owns tokenization and chat templates; an engine sees only ids. (A
+role served by a remote OpenAI-compatible server speaks text, not ids, so it is no engine:
+the gateway forwards it, see tracerl.gateway.remote.)
 """
 
 from __future__ import annotations

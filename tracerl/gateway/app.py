@@ -18,7 +18,7 @@ import orjson
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import Response, StreamingResponse
-from pydantic import BaseModel, Field, ValidationError
+from pydantic import BaseModel, Field, ValidationError, model_validator
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from tracerl.gateway.chat import ChatRequest, CompletionRequest, wire_message
@@ -38,10 +38,19 @@ class RewardRequest(BaseModel):
 
     value: float
     """The reward."""
-    span_seq: int | None = None
-    """Seq of the call it rewards, for a per-step reward; None for the final reward."""
+    span_seq: int | None = Field(default=None, ge=0)
+    """Seq of the call it rewards, for a per-step reward; None for a final reward."""
+    role: str | None = Field(default=None, min_length=1, max_length=128)
+    """For a per-role final reward, the role (model name) it credits instead of the
+    trajectory's outcome; None for the trajectory's own reward."""
     name: str = Field(default="reward", max_length=64)
     """A label for reports."""
+
+    @model_validator(mode="after")
+    def _one_target(self) -> RewardRequest:
+        if self.span_seq is not None and self.role is not None:
+            raise ValueError("give span_seq (a per-step reward) or role, not both")
+        return self
 
 
 def _json(body: Any, status: int = 200) -> Response:
@@ -94,9 +103,15 @@ def create_app(gateway: Gateway, with_store_api: bool = True) -> FastAPI:
         except ValidationError as e:
             raise invalid(e) from None
         parent = request.headers.get(PARENT_HEADER)
+        usage = bool((req.stream_options or {}).get("include_usage"))
+        if req.model in gateway.remote:
+            body = await gateway.chat_remote(req, _rollout_id(request, rollout_id), parent)
+            if req.stream:
+                events = _reply_events(body, usage)
+                return StreamingResponse(events, media_type="text/event-stream")
+            return _json(body)
         served = await gateway.chat(req, _rollout_id(request, rollout_id), parent)
         if req.stream:
-            usage = bool((req.stream_options or {}).get("include_usage"))
             return StreamingResponse(_chat_events(served, usage), media_type="text/event-stream")
         return _json(_chat_body(served, req.logprobs))
 
@@ -115,7 +130,7 @@ def create_app(gateway: Gateway, with_store_api: bool = True) -> FastAPI:
         now = int(time.time())
         data = [
             {"id": name, "object": "model", "created": now, "owned_by": "tracerl"}
-            for name in gateway.models
+            for name in gateway.names
         ]
         return _json({"object": "list", "data": data})
 
@@ -133,6 +148,7 @@ def create_app(gateway: Gateway, with_store_api: bool = True) -> FastAPI:
                     attempt=rollout.attempt,
                     value=req.value,
                     span_seq=req.span_seq,
+                    role=req.role,
                     name=req.name,
                 )
             )
@@ -141,7 +157,7 @@ def create_app(gateway: Gateway, with_store_api: bool = True) -> FastAPI:
         return _json({"ok": True})
 
     async def health(request: Request) -> Response:
-        return _json({"ok": True, "models": sorted(gateway.models)})
+        return _json({"ok": True, "models": gateway.names})
 
     for prefix in ("", "/rollouts/{rollout_id}"):
         app.add_api_route(f"{prefix}/v1/chat/completions", chat, methods=["POST"])
@@ -267,6 +283,27 @@ async def _chat_events(served: Served, usage: bool) -> AsyncIterator[bytes]:
         yield _sse({**head, "choices": [done]})
     if usage:
         yield _sse({**head, "choices": [], "usage": _usage(served)})
+    yield b"data: [DONE]\n\n"
+
+
+async def _reply_events(body: dict[str, Any], usage: bool) -> AsyncIterator[bytes]:
+    """A finished chat reply (a remote role's) as a stream: each choice's message in one
+    delta, then its finish reason."""
+    head = {k: body.get(k) for k in ("id", "created", "model")} | {
+        "object": "chat.completion.chunk"
+    }
+    for i, choice in enumerate(body["choices"]):
+        message = choice["message"]
+        delta: dict[str, Any] = {"role": "assistant", "content": message.get("content") or ""}
+        if message.get("tool_calls"):
+            calls = message["tool_calls"]
+            delta["tool_calls"] = [{"index": k, **call} for k, call in enumerate(calls)]
+        index = choice.get("index", i)
+        yield _sse({**head, "choices": [{"index": index, "delta": delta}]})
+        done = {"index": index, "delta": {}, "finish_reason": choice.get("finish_reason")}
+        yield _sse({**head, "choices": [done]})
+    if usage and body.get("usage"):
+        yield _sse({**head, "choices": [], "usage": body["usage"]})
     yield b"data: [DONE]\n\n"
 
 

@@ -19,6 +19,7 @@ import time
 import uuid
 from collections import OrderedDict
 from dataclasses import dataclass, field
+from typing import Any
 
 from pydantic import ValidationError
 from transformers import PreTrainedTokenizerBase
@@ -35,6 +36,7 @@ from tracerl.gateway.chat import (
     parse_reply,
     wire_message,
 )
+from tracerl.gateway.remote import RemoteError, RemoteModel
 from tracerl.gateway.tito import History, Prompt, PromptBuilder, Turn
 from tracerl.store import LeaseLost, NotFound, Store
 from tracerl.types import Generation, Rollout, RolloutStatus, SamplingParams, Span
@@ -158,10 +160,19 @@ class Gateway:
     """Serves calls for a set of models and records each call as a span in the store."""
 
     def __init__(
-        self, store: Store | None, models: dict[str, ServedModel], memory: int = 100_000
+        self,
+        store: Store | None,
+        models: dict[str, ServedModel],
+        memory: int = 100_000,
+        remote: dict[str, RemoteModel] | None = None,
     ) -> None:
         self.store = store
         self.models = models
+        self.remote = remote or {}
+        """Roles answered by OpenAI-compatible URLs elsewhere (frozen, recorded as text)."""
+        clash = sorted(set(models) & set(self.remote))
+        if clash:
+            raise ValueError(f"roles served both locally and remotely: {clash}")
         # Per-rollout memory, bounded: the oldest entries go first. A forgotten history only
         # costs a re-tokenization (recorded as a prefix break); a forgotten call counter is
         # recovered from the store.
@@ -169,11 +180,25 @@ class Gateway:
         self._calls: OrderedDict[tuple[str, int], _Calls] = OrderedDict()
         self.memory = memory
 
+    @property
+    def names(self) -> list[str]:
+        """Every model name (role) the gateway answers to, local and remote."""
+        return sorted([*self.models, *self.remote])
+
     def model(self, name: str) -> ServedModel:
-        """The served model called `name`, or a 404."""
+        """The served model called `name`, or a 404 (a 400 for a remote role's raw
+        completion: only chat requests are forwarded)."""
         served = self.models.get(name)
+        if served is None and name in self.remote:
+            raise GatewayError(
+                400,
+                f"The model '{name}' is served by {self.remote[name].url}; "
+                "send it chat completions (/v1/chat/completions)",
+                param="model",
+                code="remote_chat_only",
+            )
         if served is None:
-            known = ", ".join(sorted(self.models))
+            known = ", ".join(self.names)
             raise GatewayError(
                 404,
                 f"The model '{name}' does not exist; served models: {known}",
@@ -259,6 +284,64 @@ class Gateway:
             prompt_tokens=len(prompt.ids),
             tokenizer=served.tokenizer,
         )
+
+    async def chat_remote(
+        self, req: ChatRequest, rollout_id: str | None, parent: str | None = None
+    ) -> dict[str, Any]:
+        """Forward a chat request for a remote role; record each choice as a text-only span
+        (no token ids, policy version -1) and return the reply under the gateway's id."""
+        remote = self.remote[req.model]
+        rollout = self.rollout(rollout_id)
+        parent_id = self.parent(rollout, parent)
+        try:
+            messages = [normalize_message(m) for m in req.messages]
+        except (ValueError, TypeError, AttributeError) as e:
+            raise GatewayError(400, str(e), param="messages") from None
+        started = time.perf_counter()
+        try:
+            body = await remote.chat(req.model_dump(mode="json", exclude_none=True))
+        except RemoteError as e:
+            raise GatewayError(e.status, e.message, "server_error", code=e.code) from None
+        latency = time.perf_counter() - started
+        span_id = uuid.uuid4().hex
+        if rollout is not None:
+            self._record_text(rollout, span_id, req, parent_id, messages, body, latency)
+        return {**body, "id": f"chatcmpl-{span_id}", "model": req.model}
+
+    def _record_text(
+        self,
+        rollout: Rollout,
+        span_id: str,
+        req: ChatRequest,
+        parent_id: str | None,
+        messages: list[Message],
+        body: dict[str, Any],
+        latency: float,
+    ) -> None:
+        calls = self._attempt_calls(rollout)
+        spans = []
+        for i, choice in enumerate(body["choices"]):
+            finish = str(choice.get("finish_reason") or "stop")
+            spans.append(
+                Span(
+                    id=span_id if i == 0 else f"{span_id}-{i}",
+                    rollout_id=rollout.id,
+                    attempt=rollout.attempt,
+                    seq=calls.next_seq + i,
+                    role=req.model,
+                    policy_version=-1,
+                    prompt_ids=[],
+                    completion_ids=[],
+                    logprobs=[],
+                    messages=messages,
+                    response={"message": choice["message"], "finish_reason": finish},
+                    finish_reason=finish,
+                    temperature=req.temperature,
+                    parent_span_id=parent_id,
+                    latency_s=latency,
+                )
+            )
+        self._store_spans(calls, spans)
 
     async def complete(
         self, req: CompletionRequest, rollout_id: str | None, parent: str | None = None
@@ -399,7 +482,7 @@ class Gateway:
                     id=call.span_id if c.index == 0 else f"{call.span_id}-{c.index}",
                     rollout_id=rollout.id,
                     attempt=rollout.attempt,
-                    seq=calls.next_seq,
+                    seq=calls.next_seq + c.index,
                     role=call.role,
                     policy_version=c.gen.policy_version,
                     prompt_ids=call.prompt.ids,
@@ -419,11 +502,15 @@ class Gateway:
                     created_at=time.time(),
                 )
             )
-            calls.next_seq += 1
+        self._store_spans(calls, spans)
+
+    def _store_spans(self, calls: _Calls, spans: list[Span]) -> None:
+        assert self.store is not None
         try:
             self.store.add_spans(spans)
         except LeaseLost as e:
             raise GatewayError(409, str(e), code="rollout_not_running") from None
+        calls.next_seq += len(spans)
         calls.span_ids.update(s.id for s in spans)
 
 

@@ -58,7 +58,8 @@ CREATE TABLE IF NOT EXISTS spans (
 CREATE UNIQUE INDEX IF NOT EXISTS spans_order ON spans (rollout_id, attempt, seq);
 CREATE TABLE IF NOT EXISTS rewards (
     rollout_id TEXT NOT NULL REFERENCES rollouts (id), attempt INTEGER NOT NULL,
-    value REAL NOT NULL, span_seq INTEGER, name TEXT NOT NULL, created_at REAL NOT NULL);
+    value REAL NOT NULL, span_seq INTEGER, role TEXT, name TEXT NOT NULL,
+    created_at REAL NOT NULL);
 CREATE INDEX IF NOT EXISTS rewards_attempt ON rewards (rollout_id, attempt);
 CREATE TABLE IF NOT EXISTS versions (
     role TEXT NOT NULL, version INTEGER NOT NULL, path TEXT NOT NULL, created_at REAL NOT NULL,
@@ -80,6 +81,18 @@ _INSERT_SPAN = (
 _INSERT_REWARD = (
     f"INSERT INTO rewards ({', '.join(_REWARD_COLS)}) VALUES ({', '.join('?' * len(_REWARD_COLS))})"
 )
+
+
+_ADDED_COLUMNS = {"rewards": {"role": "TEXT"}}
+"""Columns added after a table was first shipped: files written before get them on open."""
+
+
+def _add_missing_columns(db: sqlite3.Connection) -> None:
+    for table, columns in _ADDED_COLUMNS.items():
+        have = {row[1] for row in db.execute(f"PRAGMA table_info({table})")}
+        for name, kind in columns.items():
+            if name not in have:
+                db.execute(f"ALTER TABLE {table} ADD COLUMN {name} {kind}")
 
 
 def _json(value: object) -> str:
@@ -128,6 +141,7 @@ class SqliteStore:
         with self._tx() as db:
             for statement in _SCHEMA.split(";"):  # executescript would commit mid-transaction
                 db.execute(statement)
+            _add_missing_columns(db)
 
     # -- plumbing -------------------------------------------------------------------------
 
