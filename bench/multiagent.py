@@ -46,9 +46,9 @@ SETUPS = {
 
 
 def weak_models() -> tuple[str, str]:
-    """The example's weak planner and executor, built once into the cache (~4 min)."""
+    """The example's weak planner and executor, built once into the cache (~7.5 min)."""
     build = example_module("planner_executor", "build_models")
-    out = cache_dir() / "models" / "planner-executor-weak-seed0"
+    out = cache_dir() / "models" / build.cache_name(build.BuildConfig())
     if not (out / "build.json").exists():
         build.build_models(out)
     return str(out / "planner"), str(out / "executor")
@@ -56,7 +56,10 @@ def weak_models() -> tuple[str, str]:
 
 def run_setup(name: str, args: argparse.Namespace, root: Path) -> dict:
     """Train one setup; returns its summary."""
-    planner, executor = weak_models()
+    if args.models:
+        planner, executor = f"{args.models}/planner", f"{args.models}/executor"
+    else:
+        planner, executor = weak_models()
     frozen_planner, frozen_executor = SETUPS[name]
     tasks = example_module("planner_executor", "tasks")
     agent = example_module("planner_executor", "agent")
@@ -79,7 +82,7 @@ def run_setup(name: str, args: argparse.Namespace, root: Path) -> dict:
             group_size=args.group_size,
             eval_every=0,
         ),
-        trainer=TrainerConfig(lr=args.lr, minibatches=2, warmup_steps=5),
+        trainer=TrainerConfig(lr=args.lr, minibatches=2, warmup_steps=5, schedule="cosine"),
         runner=RunnerConfig(concurrency=args.concurrency),
         engine=EngineConfig(max_batch_size=64),
     )
@@ -99,6 +102,9 @@ def main() -> None:
     p.add_argument("--concurrency", type=int, default=64)
     p.add_argument("--lr", type=float, default=3e-4)
     p.add_argument("--runs", default=None, help="keep the runs here (default: a temp dir)")
+    p.add_argument(
+        "--models", default=None, help="a dir holding planner/ and executor/ (default: built)"
+    )
     args = p.parse_args()
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     with tempfile.TemporaryDirectory() as tmp:

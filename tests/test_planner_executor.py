@@ -28,6 +28,7 @@ from rich.console import Console
 from transformers import AutoTokenizer
 
 from tracerl.demo import example_dir
+from tracerl.evaluate import role_stats
 from tracerl.gateway import Gateway, ServedModel, create_app
 from tracerl.runner import Runner, RunnerConfig, python_agent
 from tracerl.server import BackgroundServer, serve_in_thread
@@ -247,6 +248,12 @@ def test_a_planner_spawning_a_planner_nests_two_levels(delegating: Stack) -> Non
     # The top planner's conversation survives its same-role child: token ids are reused.
     assert spans[8].prefix_break is None
     assert spans[8].prefix_reused == len(spans[0].prompt_ids) + len(spans[0].completion_ids)
+    # The eval report's per-role view of this tree: the top planner and one planner
+    # sub-agent; three executor sub-agents (under calls 1, 4 and 8).
+    stats = role_stats(spans, rollouts=1)
+    assert list(stats) == ["planner", "executor"]
+    assert (stats["planner"].calls_per_rollout, stats["planner"].agents_per_rollout) == (6, 2)
+    assert (stats["executor"].calls_per_rollout, stats["executor"].agents_per_rollout) == (6, 3)
 
 
 def test_traces_show_prints_the_nested_tree(

@@ -111,6 +111,7 @@ def test_remote_role_is_forwarded_and_recorded_as_text_under_its_parent(
     # The remote server got the agent's request under its own model name, with the key.
     headers, body = servers.seen[-1]
     assert body["model"] == "policy" and body["messages"][-1]["content"] == "85"
+    assert "temperature" not in body  # only what the agent sent: the remote's own defaults
     assert headers["authorization"] == "Bearer sk-remote"
     assert PARENT_HEADER.lower() not in headers  # tracerl's own header stays here
     spans = servers.store.spans(rid)

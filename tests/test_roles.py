@@ -18,7 +18,7 @@ from tracerl.pipeline import PipelineConfig
 from tracerl.runner import RunnerConfig, python_agent
 from tracerl.stack import start_stack
 from tracerl.store.sqlite import SqliteStore
-from tracerl.train import RoleConfig, TrainConfig, policy_specs, train
+from tracerl.train import RoleConfig, TrainConfig, policy_specs, remote_roles, train
 from tracerl.trainer.trainer import LoraSettings, Trainer, TrainerConfig
 from tracerl.types import Task, Transition
 
@@ -261,3 +261,22 @@ def test_remote_role_is_recorded_as_text_and_never_trained(
     assert all(isinstance(s.response["message"]["content"], str) for s in executor)
     assert [trained for _, trained in seen] == [{"planner"}] * 2  # never stale, never trained
     assert (tmp_path / "roles" / "model" / "config.json").exists()  # the one trained policy
+
+
+def test_the_readme_roles_example_parses() -> None:
+    import re
+    import tomllib
+
+    readme = (Path(__file__).parents[1] / "README.md").read_text()
+    block = next(b for b in re.findall(r"```toml\n(.*?)```", readme, re.S) if "[roles." in b)
+    cfg = TrainConfig.model_validate(tomllib.loads(block))
+    assert [(p.name, p.model) for p in policy_specs(cfg)] == [
+        ("planner", "/models/planner"),
+        ("executor", "/models/executor"),
+    ]
+    (critic,) = remote_roles(cfg).values()
+    assert (critic.name, critic.model, critic.api_key_env) == (
+        "critic",
+        "Qwen/Qwen3-8B",
+        "CRITIC_API_KEY",
+    )

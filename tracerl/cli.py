@@ -226,6 +226,13 @@ def _print_report(rep: BaseModel) -> None:
         f"{data['reused_fraction']:.1%} of prompt tokens · {data['prefix_breaks']} prefix breaks "
         f"· {data['completion_tokens_per_s']:.0f} completion tok/s"
     )
+    if len(data.get("roles") or {}) > 1:
+        for role, st in data["roles"].items():
+            console.print(
+                f"role {role}: {st['calls_per_rollout']:.2f} calls/rollout · "
+                f"{st['agents_per_rollout']:.2f} agents/rollout · "
+                f"{st['completion_tokens_per_call']:.1f} completion tok/call"
+            )
 
 
 def _open_store(path: str | None):  # type: ignore[no-untyped-def]

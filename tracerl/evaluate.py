@@ -19,7 +19,7 @@ from tqdm import tqdm
 
 from tracerl.runner import AgentFn, RewardFn, Runner, RunnerConfig
 from tracerl.store import Store
-from tracerl.types import Rollout, Task
+from tracerl.types import Rollout, Span, Task
 
 
 def load_tasks(path: str | Path, split: str | None = None) -> list[Task]:
@@ -51,6 +51,32 @@ def load_tasks(path: str | Path, split: str | None = None) -> list[Task]:
     return tasks
 
 
+class RoleStats(BaseModel):
+    """How one role (a `model` name) was used over the evaluation's rollouts."""
+
+    calls_per_rollout: float
+    """Its model calls per rollout."""
+    agents_per_rollout: float
+    """Its agents per rollout: distinct parent spans its calls hang under (sub-agents spawned
+    per rollout; 1 for a top-level role)."""
+    completion_tokens_per_call: float
+    """Sampled tokens per call (0 for a remote role, recorded as text)."""
+
+
+def role_stats(spans: list[Span], rollouts: int) -> dict[str, RoleStats]:
+    """Per-role use, roles in order of first call."""
+    out: dict[str, RoleStats] = {}
+    for role in dict.fromkeys(s.role for s in spans):
+        mine = [s for s in spans if s.role == role]
+        agents = {(s.rollout_id, s.parent_span_id) for s in mine}
+        out[role] = RoleStats(
+            calls_per_rollout=len(mine) / max(rollouts, 1),
+            agents_per_rollout=len(agents) / max(rollouts, 1),
+            completion_tokens_per_call=sum(len(s.completion_ids) for s in mine) / len(mine),
+        )
+    return out
+
+
 class EvalReport(BaseModel):
     """What one evaluation measured."""
 
@@ -80,6 +106,8 @@ class EvalReport(BaseModel):
     """Wall time of the evaluation."""
     group_id: str
     """Group id of these rollouts in the store."""
+    roles: dict[str, RoleStats] = {}
+    """Per-role use of the model, for agents with several roles."""
 
 
 def run_rollouts(
@@ -141,6 +169,7 @@ def report(
         completion_tokens_per_s=completion / max(wall_s, 1e-9),
         wall_s=wall_s,
         group_id=rollouts[0].group_id or "" if rollouts else "",
+        roles=role_stats(spans, len(rollouts)),
     )
 
 

@@ -5,16 +5,15 @@ random-init tiny Llama, so the planner and the executor speak the same tokens. T
 
 1. skill: the executor learns the calculator loop from clean demonstrations; the planner
    starts from that executor (which already copies digits, as the planner must) and learns
-   to plan from clean planner demonstrations. Both stages run well past the sudden
-   "learns to copy" transition, yet stop long before convergence: the models know the task
-   but sample imprecisely at temperature 1 (a wrong digit or operator now and then), which
-   leaves the system weak in a stable way (~24% end-to-end success for two seeds).
-2. habit (off by default): a short low-learning-rate SFT on a mixture where a share of
-   the demos take a wrong but consistent shortcut (the executor answers with the
-   expression unevaluated; the planner answers with the question's arithmetic unevaluated,
-   or right after its first sub-question). It makes the start lazier instead of
-   imprecise; after skill stages this short it leaves almost no success, so it is for
-   longer skill stages.
+   to plan from clean planner demonstrations. 1,000 steps each: the two together solve
+   ~46% of held-out questions at temperature 1 (the executor answers ~78% of its
+   sub-questions right, and most questions need two).
+2. habit: a short low-learning-rate SFT on a mixture where a share of the demos take a
+   wrong but consistent shortcut (the executor answers with the expression unevaluated;
+   the planner answers with the question's arithmetic unevaluated, or right after its first
+   sub-question). Each role now often skips work it knows how to do: ~12% end to end. Each
+   role's shortcut caps the system on its own, so training one role alone cannot undo
+   the other's.
 
 Usage: python examples/planner_executor/build_models.py OUT_DIR [--planner-skill-steps N] ...
 Writes OUT_DIR/{base, executor-skill, planner-skill, planner, executor} (HF model dirs)
@@ -45,19 +44,19 @@ class BuildConfig(BaseModel):
 
     demos: int = 3000
     """Demonstrations per role and stage."""
-    executor_skill_steps: int = 450
+    executor_skill_steps: int = 1000
     """SFT steps of the executor on clean demos (batch 16, lr `lr`)."""
-    planner_skill_steps: int = 450
+    planner_skill_steps: int = 1000
     """SFT steps of the planner on clean demos, starting from the skilled executor."""
-    habit_steps: int = 0
+    habit_steps: int = 150
     """SFT steps of each role on its shortcut mixture (0: no habit stage)."""
     habit_lr: float = 2e-4
     """Peak learning rate of the habit stage (low: it must not erode the skill)."""
-    planner_shortcuts: float = 0.6
+    planner_shortcuts: float = 0.35
     """Share of the planner's habit demos that take a shortcut."""
     planner_mistakes: tuple[str, ...] = ("echo", "skip")
     """The planner's shortcuts, drawn uniformly (see expert.PLANNER_MISTAKES)."""
-    executor_shortcuts: float = 0.5
+    executor_shortcuts: float = 0.3
     """Share of the executor's habit demos that take a shortcut."""
     executor_mistakes: tuple[str, ...] = ("echo",)
     """The executor's shortcuts (see expert.EXECUTOR_MISTAKES)."""
@@ -67,6 +66,14 @@ class BuildConfig(BaseModel):
     """Seed of the base weights and the data order; demos use seed + 1000 and + 2000."""
     progress: bool = True
     """Show SFT progress bars."""
+
+
+def cache_name(cfg: BuildConfig) -> str:
+    """A folder name that changes whenever the recipe does (for caching built models)."""
+    skill = f"skill{cfg.executor_skill_steps}e{cfg.planner_skill_steps}p"
+    lazy = f"lazy{cfg.executor_shortcuts}e{cfg.planner_shortcuts}p"
+    habit = f"-{lazy}x{cfg.habit_steps}at{cfg.habit_lr}" if cfg.habit_steps else ""
+    return f"planner-executor-{skill}{habit}-n{cfg.demos}-lr{cfg.lr}-seed{cfg.seed}"
 
 
 class BuildResult(BaseModel):

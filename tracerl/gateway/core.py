@@ -299,7 +299,7 @@ class Gateway:
             raise GatewayError(400, str(e), param="messages") from None
         started = time.perf_counter()
         try:
-            body = await remote.chat(req.model_dump(mode="json", exclude_none=True))
+            body = await remote.chat(req.model_dump(mode="json", exclude_unset=True))
         except RemoteError as e:
             raise GatewayError(e.status, e.message, "server_error", code=e.code) from None
         latency = time.perf_counter() - started
