@@ -390,3 +390,19 @@ def test_build_and_eval_scripts_run_a_few_steps(tmp_path: Path) -> None:
     stats = json.loads(out.strip().splitlines()[-1])
     assert set(stats["calls_per_rollout"]) == {"planner", "executor"}
     assert sum(stats["executor_subagents_per_rollout"].values()) == 3
+    # The README's command-line route: expert.py demos, then `tracerl sft` stage by stage.
+    tracerl = str(Path(sys.executable).with_name("tracerl"))
+    demos = [tmp_path / "executor.jsonl", tmp_path / "planner-lazy.jsonl"]
+    script(str(EXAMPLE / "expert.py"), "executor", "32", str(demos[0]), "--noise", "0")
+    lazy = ("--noise", "0.35", "--mistakes", "echo,skip")
+    script(str(EXAMPLE / "expert.py"), "planner", "32", str(demos[1]), *lazy)
+    for line in demos[1].read_text().splitlines():
+        assert json.loads(line)["messages"][1]["role"] == "user"
+    skill, planner = tmp_path / "executor-skill", tmp_path / "planner"
+    for args in (
+        ("--demos", str(demos[0]), "--out", str(skill), "--steps", "2"),
+        ("--demos", str(demos[1]), "--base", str(skill), "--out", str(planner), "--steps", "2"),
+    ):
+        done = subprocess.run([tracerl, "sft", *args], capture_output=True, text=True, timeout=300)
+        assert done.returncode == 0, done.stderr[-2000:]
+    assert (planner / "config.json").exists() and (planner / "tokenizer.json").exists()

@@ -7,11 +7,13 @@ An executor demonstration is a calculator conversation on one such sub-question.
 probability `noise` the expert makes a realistic mistake instead, so that warm-started
 models begin weak. Knows nothing of tracerl; the demos feed `tracerl sft` (one
 {"messages", "tools"} a line).
-Usage: python examples/planner_executor/expert.py planner|executor N out.jsonl [seed]
+Usage: python examples/planner_executor/expert.py planner|executor N out.jsonl
+           [--seed S] [--noise P] [--mistakes echo,skip]
 """
 
 from __future__ import annotations
 
+import argparse
 import importlib.util
 import json
 import random
@@ -178,6 +180,10 @@ def demonstrations(
         raise ValueError(f"seed {EVAL_SEED} draws the eval tasks; pick another")
     if role not in ROLES:
         raise ValueError(f"role must be one of {ROLES}, got {role!r}")
+    known = {*(PLANNER_MISTAKES if role == "planner" else EXECUTOR_MISTAKES), "echo"}
+    unknown = sorted(set(mistakes or ()) - known)
+    if unknown:
+        raise ValueError(f"unknown {role} mistakes {unknown}; known: {sorted(known)}")
     rng = random.Random(seed + 1)  # the mistakes' own stream, apart from the tasks'
     questions = [t["input"]["question"] for t in tasks.make_tasks(n, "train", seed)]
     if role == "planner":
@@ -192,12 +198,27 @@ def demonstrations(
     return [{"messages": messages, "tools": tools} for messages in convs]
 
 
-if __name__ == "__main__":
-    if len(sys.argv) < 4:
-        sys.exit(__doc__)
-    which, count, path = sys.argv[1], int(sys.argv[2]), Path(sys.argv[3])
-    seed = int(sys.argv[4]) if len(sys.argv) > 4 else DEFAULT_SEED
-    with path.open("w") as f:
-        for demo in demonstrations(count, which, seed):
+def main() -> None:
+    parser = argparse.ArgumentParser(description="Write one role's demonstrations as JSONL.")
+    parser.add_argument("role", choices=ROLES)
+    parser.add_argument("n", type=int, help="how many demonstrations")
+    parser.add_argument("out", type=Path, help="JSONL file to write")
+    parser.add_argument("--seed", type=int, default=DEFAULT_SEED, help="seed of the tasks")
+    parser.add_argument("--noise", type=float, default=0.1, help="share with a mistake")
+    parser.add_argument(
+        "--mistakes", default=None, help="comma-separated kinds (default: the role's own)"
+    )
+    args = parser.parse_args()
+    mistakes = tuple(args.mistakes.split(",")) if args.mistakes else None
+    try:
+        demos = demonstrations(args.n, args.role, args.seed, args.noise, mistakes)
+    except ValueError as e:
+        parser.error(str(e))
+    with args.out.open("w") as f:
+        for demo in demos:
             f.write(json.dumps(demo) + "\n")
-    print(f"wrote {count} {which} demonstrations to {path}")
+    print(f"wrote {args.n} {args.role} demonstrations to {args.out}")
+
+
+if __name__ == "__main__":
+    main()
