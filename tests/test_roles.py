@@ -274,9 +274,31 @@ def test_the_readme_roles_example_parses() -> None:
         ("planner", "/models/planner"),
         ("executor", "/models/executor"),
     ]
-    (critic,) = remote_roles(cfg).values()
+    (critic,) = remote_roles(cfg.roles).values()
     assert (critic.name, critic.model, critic.api_key_env) == (
         "critic",
         "Qwen/Qwen3-8B",
         "CRITIC_API_KEY",
     )
+
+
+def test_tracerl_eval_serves_every_role(tiny_model_dir: Path, tmp_path: Path) -> None:
+    import tracerl.cli
+
+    tasks = tmp_path / "tasks.jsonl"
+    tasks.write_text("".join(json.dumps(t.model_dump()) + "\n" for t in _tasks(3, "e")))
+    roles = {"planner": {"model": str(tiny_model_dir)}, "executor": {"share": "planner"}}
+    here = Path(__file__)
+    args = [
+        *("eval", f"{here}:two_roles", "--tasks", str(tasks), "--roles", json.dumps(roles)),
+        *("--reward", f"{here}:reward", "--runs", str(tmp_path), "--name", "ev"),
+    ]
+    tracerl.cli.main(args)
+    report = json.loads((tmp_path / "ev" / "eval.json").read_text())
+    assert report["rollouts"] == 3
+    stats = report["roles"]
+    assert list(stats) == ["planner", "executor"]
+    assert stats["executor"]["calls_per_rollout"] == pytest.approx((1 + 2 + 1) / 3)
+    bad = [*args[:4], "--roles", json.dumps({"a": {"share": "b"}}), *args[6:]]
+    with pytest.raises(SystemExit, match="not a role with local weights"):
+        tracerl.cli.main(bad)

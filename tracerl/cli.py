@@ -23,7 +23,7 @@ from tracerl.demo import CalculatorRecipe
 from tracerl.pipeline import AlgorithmConfig, PipelineConfig
 from tracerl.runner import RewardFn, RunnerConfig, load_agent, load_callable
 from tracerl.stack import EngineConfig
-from tracerl.train import TrainConfig
+from tracerl.train import RoleConfig, TrainConfig, remote_roles, resolve_roles, start_roles_stack
 from tracerl.trainer.trainer import TrainerConfig
 
 
@@ -168,8 +168,11 @@ class Eval(_Cmd):
     """The agent: 'file.py:function', 'module:function', or 'cmd:<command line>'."""
     tasks: str
     """Task file (JSONL: one {"id", "input", "answer", "split"} per line)."""
-    model: str
-    """Local HF model directory to serve."""
+    model: str = ""
+    """Local HF model directory to serve (the default of every role without its own)."""
+    roles: dict[str, RoleConfig] = {}
+    """Agent systems with several roles: each role's model dir, shared weights or url,
+    as in `tracerl train` (JSON, e.g. '{"planner": {"model": "m/p"}, "executor": {...}}')."""
     reward: str | None = None
     """Reward function 'file.py:function' called as f(task, answer); optional when the
     agent returns or emits its own reward."""
@@ -192,14 +195,23 @@ class Eval(_Cmd):
         from concurrent.futures import ThreadPoolExecutor
 
         from tracerl.evaluate import evaluate, load_tasks
-        from tracerl.stack import start_stack
 
+        if not self.model and not self.roles:
+            raise SystemExit("eval needs --model DIR (or --roles for several roles)")
+        roles = self.roles or {self.model_name: RoleConfig()}
+        try:
+            specs = resolve_roles(roles, self.model)
+        except ValueError as e:
+            raise SystemExit(str(e)) from None
+        for spec in specs:
+            if not Path(spec.model).is_dir():
+                raise SystemExit(f"roles {spec.roles}: {spec.model!r} is not a local model dir")
         tasks = load_tasks(self.tasks, self.split)
         reward_fn = _reward_fn(self.reward)
         run_dir = _run_dir(self.runs, self.name)
         _save_config(run_dir, self)
         store_path = run_dir / "traces.db"
-        stack = start_stack(self.model, store_path, self.engine, self.model_name)
+        stack = start_roles_stack(specs, remote_roles(roles), store_path, self.engine)
         _remember_store(store_path)
         cfg = self.runner.model_copy(update={"model": self.model_name})
         with ThreadPoolExecutor(cfg.concurrency) as threads:

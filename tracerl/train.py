@@ -84,15 +84,17 @@ class PolicySpec:
     lora: LoraSettings | None
 
 
-def policy_specs(cfg: TrainConfig) -> list[PolicySpec]:
-    """Roles -> policies: a role with weights of its own is a policy named after it; a
-    sharing role joins its target's policy. Clear errors for a bad mapping."""
-    roles = cfg.roles or {cfg.model_name: RoleConfig()}
+def resolve_roles(
+    roles: dict[str, RoleConfig], model: str, lora: LoraSettings | None = None
+) -> list[PolicySpec]:
+    """Roles -> policies: a role with local weights of its own is a policy named after it
+    (its model dir, else `model`); a sharing role joins its target's policy; a role served
+    by a url is none. Clear errors for a bad mapping."""
     specs: dict[str, PolicySpec] = {}
     for role, rc in roles.items():
         if rc.share is None and rc.url is None:
-            lora = rc.lora or cfg.trainer.lora
-            specs[role] = PolicySpec(role, rc.model or cfg.model, [role], rc.frozen, lora)
+            own = rc.lora or lora
+            specs[role] = PolicySpec(role, rc.model or model, [role], rc.frozen, own)
     for role, rc in roles.items():
         if rc.share is None:
             continue
@@ -107,18 +109,37 @@ def policy_specs(cfg: TrainConfig) -> list[PolicySpec]:
                 f"on {rc.share!r} instead"
             )
         specs[rc.share].roles.append(role)
-    if all(spec.frozen for spec in specs.values()):
-        raise ValueError("every role is frozen: there is nothing to train")
     return list(specs.values())
 
 
-def remote_roles(cfg: TrainConfig) -> dict[str, RemoteModel]:
+def policy_specs(cfg: TrainConfig) -> list[PolicySpec]:
+    """The run's policies (one, `model_name` from `model`, when `roles` is empty)."""
+    roles = cfg.roles or {cfg.model_name: RoleConfig()}
+    specs = resolve_roles(roles, cfg.model, cfg.trainer.lora)
+    if all(spec.frozen for spec in specs):
+        raise ValueError("every role is frozen: there is nothing to train")
+    return specs
+
+
+def remote_roles(roles: dict[str, RoleConfig]) -> dict[str, RemoteModel]:
     """The roles served by OpenAI-compatible URLs elsewhere (frozen, recorded as text)."""
     return {
         role: RemoteModel(role, rc.url, rc.remote_model or role, rc.api_key_env)
-        for role, rc in cfg.roles.items()
+        for role, rc in roles.items()
         if rc.url is not None
     }
+
+
+def start_roles_stack(
+    specs: list[PolicySpec],
+    remote: dict[str, RemoteModel],
+    store_path: str | Path,
+    engine: EngineConfig,
+) -> LocalStack:
+    """Serve every policy's roles from its own engine and the remote roles by forwarding."""
+    models: dict[str, str | Path] = {p.name: p.model for p in specs}
+    roles = {role: p.name for p in specs for role in p.roles}
+    return start_multi_stack(models, roles, store_path, engine, remote=remote)
 
 
 class TrainConfig(BaseModel):
@@ -212,13 +233,7 @@ def train(
     if reward_fn is None and cfg.reward:
         reward_fn = load_callable(cfg.reward)
     specs = policy_specs(cfg)
-    stack = start_multi_stack(
-        {p.name: p.model for p in specs},
-        {role: p.name for p in specs for role in p.roles},
-        run_dir / "traces.db",
-        cfg.engine,
-        remote=remote_roles(cfg),
-    )
+    stack = start_roles_stack(specs, remote_roles(cfg.roles), run_dir / "traces.db", cfg.engine)
     log = MetricsLog(run_dir)
     threads = ThreadPoolExecutor(cfg.runner.concurrency)
     try:
