@@ -254,6 +254,20 @@ class AsyncSource:
         self._ages: list[int] = []
         self.paused = False
         self._lock = threading.Lock()
+        # The runner says which groups just had a rollout finish, so a waiting batch re-reads
+        # those from the store instead of every pending group at every poll. A full re-read
+        # every `rescan_s` still catches rollouts finished elsewhere (runners in another
+        # process, leases expired).
+        self._dirty: set[str] = set()
+        self.rescan_s = 0.25
+        notify = runner.on_finish
+
+        def finished(rollout: Rollout) -> None:
+            with self._lock:
+                self._dirty.add(rollout.group_id or "")
+            notify(rollout)
+
+        runner.on_finish = finished
         self._stop: asyncio.Event | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
@@ -349,10 +363,17 @@ class AsyncSource:
         self.stats, self._ages = SourceStats(), []
         out: list[Group] = []
         skipped = 0
+        scanned = 0.0  # when every group of the window was last read: never
         while len(out) < self.order.per_step:
             current = self.version()
+            full = time.perf_counter() - scanned >= self.rescan_s
             with self._lock:
                 window = list(self.pending[: self.window])
+                dirty, self._dirty = self._dirty, set()
+            if full:
+                scanned = time.perf_counter()
+            else:
+                window = [p for p in window if p.id in dirty]
             took = False
             for p in window:
                 group = self._complete(p, current)
