@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from tracerl.types import Generation, SamplingParams
+from tracerl.store import Store
+from tracerl.types import Generation, SamplingParams, Task
 
 CALL = '<tool_call>{"name": "calculator", "arguments": {"expression": "37+48"}}</tool_call>'
 
@@ -40,3 +41,10 @@ class ScriptedEngine:
 
     def close(self) -> None:
         pass
+
+
+def running_rollout(store: Store) -> str:
+    """One task, queued and claimed: the id of a running rollout to call the gateway under."""
+    store.add_tasks([Task(id="t1", input={"question": "What is 37+48?"}, answer=85)])
+    store.enqueue(["t1"])
+    return store.claim("test-runner", 1, 60.0)[0].id

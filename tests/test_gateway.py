@@ -18,7 +18,7 @@ from tracerl.server import BackgroundServer, serve_in_thread
 from tracerl.store.sqlite import SqliteStore
 from tracerl.types import Task
 
-from .scripted import ScriptedEngine
+from .scripted import ScriptedEngine, running_rollout
 
 
 @pytest.fixture
@@ -31,12 +31,6 @@ def served(tiny_model_dir: Path) -> Iterator[tuple[BackgroundServer, SqliteStore
     yield server, store, engine
     server.stop()
     store.close()
-
-
-def _running_rollout(store: SqliteStore) -> str:
-    store.add_tasks([Task(id="t1", input={"question": "What is 37+48?"}, answer=85)])
-    store.enqueue(["t1"])
-    return store.claim("test-runner", 1, 60.0)[0].id
 
 
 def _client(url: str, rollout_id: str | None = None) -> openai.OpenAI:
@@ -52,7 +46,7 @@ MESSAGES = [
 
 def test_tool_call_then_answer_reuses_exact_ids(served) -> None:  # type: ignore[no-untyped-def]
     server, store, engine = served
-    rid = _running_rollout(store)
+    rid = running_rollout(store)
     client = _client(server.url, rid)
     first = client.chat.completions.create(model="policy", messages=MESSAGES, tools=TOOLS)
     msg = first.choices[0].message
@@ -82,7 +76,7 @@ def test_tool_call_then_answer_reuses_exact_ids(served) -> None:  # type: ignore
 
 def test_edited_history_is_a_recorded_prefix_break(served) -> None:  # type: ignore[no-untyped-def]
     server, store, _ = served
-    rid = _running_rollout(store)
+    rid = running_rollout(store)
     client = _client(server.url, rid)
     client.chat.completions.create(model="policy", messages=MESSAGES, tools=TOOLS)
     edited = [
@@ -98,7 +92,7 @@ def test_edited_history_is_a_recorded_prefix_break(served) -> None:  # type: ign
 
 def test_streaming_reassembles_to_the_same_message(served) -> None:  # type: ignore[no-untyped-def]
     server, store, _ = served
-    rid = _running_rollout(store)
+    rid = running_rollout(store)
     client = _client(server.url, rid)
     plain = client.chat.completions.create(model="policy", messages=MESSAGES, tools=TOOLS)
     stream = client.chat.completions.create(
@@ -142,7 +136,7 @@ def test_streamed_text_reassembles(served) -> None:  # type: ignore[no-untyped-d
 
 def test_n_choices_each_recorded(served) -> None:  # type: ignore[no-untyped-def]
     server, store, _ = served
-    rid = _running_rollout(store)
+    rid = running_rollout(store)
     reply = _client(server.url, rid).chat.completions.create(
         model="policy", messages=MESSAGES, tools=TOOLS, n=3, seed=5
     )
@@ -152,7 +146,7 @@ def test_n_choices_each_recorded(served) -> None:  # type: ignore[no-untyped-def
 
 def test_header_attribution_and_logprobs(served) -> None:  # type: ignore[no-untyped-def]
     server, store, _ = served
-    rid = _running_rollout(store)
+    rid = running_rollout(store)
     client = openai.OpenAI(
         base_url=f"{server.url}/v1",
         api_key="x",
@@ -243,7 +237,7 @@ def test_malformed_json_and_rollout_errors(served) -> None:  # type: ignore[no-u
         _client(server.url, "no-such-rollout").chat.completions.create(
             model="policy", messages=MESSAGES
         )
-    rid = _running_rollout(store)
+    rid = running_rollout(store)
     rollout = store.get_rollout(rid)
     from tracerl.types import RolloutStatus
 
@@ -256,7 +250,7 @@ def test_malformed_json_and_rollout_errors(served) -> None:  # type: ignore[no-u
 
 def test_reward_over_http(served) -> None:  # type: ignore[no-untyped-def]
     server, store, _ = served
-    rid = _running_rollout(store)
+    rid = running_rollout(store)
     resp = httpx.post(f"{server.url}/rollouts/{rid}/reward", json={"value": 0.5})
     assert resp.status_code == 200
     resp = httpx.post(f"{server.url}/rollouts/{rid}/reward", json={"value": 1, "role": "executor"})
@@ -275,7 +269,7 @@ def test_bounded_memory_recovers_call_numbers_from_the_store(tiny_model_dir: Pat
     )
     server = serve_in_thread(create_app(gateway))
     try:
-        first, second = _running_rollout(store), None
+        first, second = running_rollout(store), None
         store.add_tasks([Task(id="t2", input={"question": "?"})])
         store.enqueue(["t2"])
         second = store.claim("r", 1, 60.0)[0].id
@@ -310,7 +304,7 @@ def test_stop_sequences_with_a_real_engine(tiny_model_dir: Path) -> None:
         cut = client.chat.completions.create(**ask, stop=[stop]).choices[0]
         assert cut.finish_reason == "stop"
         assert cut.message.content == full[: full.index(stop)].strip()
-        rid = _running_rollout(store)
+        rid = running_rollout(store)
         _client(server.url, rid).chat.completions.create(**ask, stop=stop)
         span = store.spans(rid)[0]
         text = tokenizer.decode(span.completion_ids)

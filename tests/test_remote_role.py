@@ -25,9 +25,8 @@ from tracerl.gateway.remote import RemoteModel
 from tracerl.server import BackgroundServer, serve_in_thread
 from tracerl.store.sqlite import SqliteStore
 from tracerl.traces import show_rollout
-from tracerl.types import Task
 
-from .scripted import ScriptedEngine
+from .scripted import ScriptedEngine, running_rollout
 
 KEY_ENV = "TRACERL_TEST_REMOTE_KEY"
 MESSAGES = [
@@ -77,12 +76,6 @@ def servers(tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[S
     store.close()
 
 
-def _rollout(store: SqliteStore) -> str:
-    store.add_tasks([Task(id="t1", input={"question": "What is 37+48?"}, answer=85)])
-    store.enqueue(["t1"])
-    return store.claim("test-runner", 1, 60.0)[0].id
-
-
 def _client(s: Servers, rollout_id: str) -> openai.OpenAI:
     return openai.OpenAI(
         base_url=f"{s.front.url}/rollouts/{rollout_id}/v1", api_key="x", max_retries=0
@@ -92,7 +85,7 @@ def _client(s: Servers, rollout_id: str) -> openai.OpenAI:
 def test_remote_role_is_forwarded_and_recorded_as_text_under_its_parent(
     servers: Servers,
 ) -> None:
-    rid = _rollout(servers.store)
+    rid = running_rollout(servers.store)
     client = _client(servers, rid)
     plan = client.chat.completions.create(model="planner", messages=MESSAGES, tools=TOOLS)
     parent = {PARENT_HEADER: plan.id}
@@ -135,7 +128,7 @@ def test_remote_role_is_forwarded_and_recorded_as_text_under_its_parent(
 
 
 def test_remote_role_streams(servers: Servers) -> None:
-    rid = _rollout(servers.store)
+    rid = running_rollout(servers.store)
     stream = _client(servers, rid).chat.completions.create(
         model="executor", messages=MESSAGES, tools=TOOLS, stream=True
     )
@@ -160,7 +153,7 @@ def test_remote_role_streams(servers: Servers) -> None:
 def test_remote_failures_are_json_errors(
     servers: Servers, model: str, path: str, status: int, code: str
 ) -> None:
-    rid = _rollout(servers.store)
+    rid = running_rollout(servers.store)
     body = {"model": model, "messages": MESSAGES, "prompt": "What is"}
     resp = httpx.post(f"{servers.front.url}/rollouts/{rid}/v1/{path}", json=body, timeout=30)
     assert resp.status_code == status

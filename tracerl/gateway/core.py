@@ -257,10 +257,7 @@ class Gateway:
         served = self.model(req.model)
         rollout = self.rollout(rollout_id)
         parent_id = self.parent(rollout, parent)
-        try:
-            messages = [normalize_message(m) for m in req.messages]
-        except (ValueError, TypeError, AttributeError) as e:
-            raise GatewayError(400, str(e), param="messages") from None
+        messages = _messages(req)
         tools = _tool_dicts(req.tools)
         # A sub-agent of the same role as its parent (a planner calling a planner) has its
         # own conversation: keying by parent keeps the parent's token history intact.
@@ -293,10 +290,7 @@ class Gateway:
         remote = self.remote[req.model]
         rollout = self.rollout(rollout_id)
         parent_id = self.parent(rollout, parent)
-        try:
-            messages = [normalize_message(m) for m in req.messages]
-        except (ValueError, TypeError, AttributeError) as e:
-            raise GatewayError(400, str(e), param="messages") from None
+        messages = _messages(req)
         started = time.perf_counter()
         try:
             body = await remote.chat(req.model_dump(mode="json", exclude_unset=True))
@@ -545,6 +539,14 @@ def _end(gen: Generation) -> str:
     if gen.stop_string:
         return "stop_string"
     return "eos" if gen.finish_reason == "stop" else "length"
+
+
+def _messages(req: ChatRequest) -> list[Message]:
+    """The request's messages in one form, or a 400 naming what is wrong with them."""
+    try:
+        return [normalize_message(m) for m in req.messages]
+    except (ValueError, TypeError, AttributeError) as e:
+        raise GatewayError(400, str(e), param="messages") from None
 
 
 def _tool_dicts(tools: list[ToolSpec] | None) -> list[dict] | None:
