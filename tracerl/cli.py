@@ -23,7 +23,14 @@ from tracerl.demo import CalculatorRecipe
 from tracerl.pipeline import AlgorithmConfig, PipelineConfig
 from tracerl.runner import RewardFn, RunnerConfig, load_agent, load_callable
 from tracerl.stack import EngineConfig
-from tracerl.train import RoleConfig, TrainConfig, remote_roles, resolve_roles, start_roles_stack
+from tracerl.train import (
+    RoleConfig,
+    TrainConfig,
+    remote_roles,
+    resolve_roles,
+    start_roles_stack,
+    top_model,
+)
 from tracerl.trainer.trainer import TrainerConfig
 
 
@@ -181,7 +188,7 @@ class Eval(_Cmd):
     repeats: int = Field(default=1, ge=1)
     """Rollouts per task."""
     model_name: str = "policy"
-    """The model name the agent is told to use."""
+    """The model name the agent is told to use; with `--roles`, default: the first role."""
     name: str = "eval"
     """Run name: outputs go to <runs>/<name>/."""
     runs: str = "runs"
@@ -200,6 +207,7 @@ class Eval(_Cmd):
             raise SystemExit("eval needs --model DIR (or --roles for several roles)")
         roles = self.roles or {self.model_name: RoleConfig()}
         try:
+            top = top_model(self.model_name, self.roles, "model_name" in self.model_fields_set)
             specs = resolve_roles(roles, self.model)
         except ValueError as e:
             raise SystemExit(str(e)) from None
@@ -213,7 +221,7 @@ class Eval(_Cmd):
         store_path = run_dir / "traces.db"
         stack = start_roles_stack(specs, remote_roles(roles), store_path, self.engine)
         _remember_store(store_path)
-        cfg = self.runner.model_copy(update={"model": self.model_name})
+        cfg = self.runner.model_copy(update={"model": top})
         with ThreadPoolExecutor(cfg.concurrency) as threads:
             agent = load_agent(self.agent, threads)
             try:

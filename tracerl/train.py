@@ -164,7 +164,7 @@ class TrainConfig(BaseModel):
     eval_before: bool = True
     """Evaluate on all held-out tasks before training."""
     model_name: str = "policy"
-    """The model name the agent is told to use (the role), when `roles` is empty."""
+    """The model name the agent is told to use (the role); with `roles`, default: the first."""
     roles: dict[str, RoleConfig] = Field(default_factory=dict)
     """Multi-agent runs: each role (a `model` name the agents ask for) and its policy;
     empty: one role, `model_name`, trained from `model`."""
@@ -184,13 +184,40 @@ class TrainConfig(BaseModel):
     device: str = Field(default="cpu")
     """torch device of the trainer."""
 
+    @model_validator(mode="after")
+    def _top_role(self) -> TrainConfig:
+        # With roles and no model_name given, the top agent is told the first role; the
+        # name is then written into the run's config, so a resumed run tells it the same.
+        if "model_name" not in self.model_fields_set and self.roles:
+            self.model_name = next(iter(self.roles))
+        return self
+
     def check(self) -> None:
         """Clear errors for missing essentials (they may come from a TOML file or flags)."""
-        for field in ("model", "agent", "tasks"):
+        for field in ("agent", "tasks"):
             if not getattr(self, field):
                 raise ValueError(f"train needs --{field} (or `{field} = ...` in the config file)")
-        if not Path(self.model).is_dir():
-            raise ValueError(f"--model {self.model}: not a local model directory")
+        if not self.roles and not self.model:
+            raise ValueError("train needs --model (or `model = ...`, or [roles.*] with models)")
+        for spec in policy_specs(self):
+            if not spec.model or not Path(spec.model).is_dir():
+                where = f"role {spec.name!r}'s model" if self.roles else "--model"
+                raise ValueError(f"{where} {spec.model!r}: not a local model directory")
+        top_model(self.model_name, self.roles, named=True)
+
+
+def top_model(model_name: str, roles: dict[str, RoleConfig], named: bool) -> str:
+    """The model name the runner hands the top agent: `model_name`, or with roles and no
+    `model_name` given (`named` false), the first role. A name no role serves is an error
+    here rather than a 404 in every rollout."""
+    if not roles or model_name in roles:
+        return model_name
+    if not named:
+        return next(iter(roles))
+    raise ValueError(
+        f"model_name {model_name!r} is not one of the roles {sorted(roles)}: set model_name "
+        "to the role the top agent calls"
+    )
 
 
 class TrainSummary(BaseModel):
