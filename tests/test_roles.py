@@ -331,3 +331,44 @@ def test_tracerl_eval_serves_every_role(tiny_model_dir: Path, tmp_path: Path) ->
     bad = [*args[:4], "--roles", json.dumps({"a": {"share": "b"}}), *args[6:]]
     with pytest.raises(SystemExit, match="not a role with local weights"):
         tracerl.cli.main(bad)
+
+
+def test_tracerl_serve_answers_to_every_role(tiny_model_dir: Path, tmp_path: Path) -> None:
+    import subprocess
+    import sys
+    import time
+
+    from tracerl.server import free_port
+
+    port = free_port()
+    roles = {"planner": {"model": str(tiny_model_dir)}, "executor": {"share": "planner"}}
+    code = "import sys, tracerl.cli; tracerl.cli.main(sys.argv[1:])"
+    args = ["serve", "--roles", json.dumps(roles), "--port", str(port)]
+    cmd = [sys.executable, "-c", code, *args, "--store", str(tmp_path / "s.db")]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 120
+        while True:
+            assert proc.poll() is None, proc.stdout.read() if proc.stdout else ""
+            try:
+                listed = httpx.get(f"{url}/v1/models").json()
+                break
+            except httpx.TransportError:
+                assert time.monotonic() < deadline, "tracerl serve did not come up"
+                time.sleep(0.3)
+        assert sorted(m["id"] for m in listed["data"]) == ["executor", "planner"]
+        client = OpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0)
+        hi = [{"role": "user", "content": "hi"}]
+        reply = client.chat.completions.create(model="executor", messages=hi, max_tokens=3)
+        assert reply.model == "executor"
+    finally:
+        proc.terminate()
+        proc.wait(30)
+    bad = subprocess.run(
+        [*cmd[:3], "serve", "--roles", json.dumps({"a": {"share": "b"}})],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert bad.returncode != 0 and "not a role with local weights" in bad.stderr

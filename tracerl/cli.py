@@ -24,6 +24,7 @@ from tracerl.pipeline import AlgorithmConfig, PipelineConfig
 from tracerl.runner import RewardFn, RunnerConfig, load_agent, load_callable
 from tracerl.stack import EngineConfig
 from tracerl.train import (
+    PolicySpec,
     RoleConfig,
     TrainConfig,
     remote_roles,
@@ -203,23 +204,17 @@ class Eval(_Cmd):
 
         from tracerl.evaluate import evaluate, load_tasks
 
-        if not self.model and not self.roles:
-            raise SystemExit("eval needs --model DIR (or --roles for several roles)")
-        roles = self.roles or {self.model_name: RoleConfig()}
         try:
             top = top_model(self.model_name, self.roles, "model_name" in self.model_fields_set)
-            specs = resolve_roles(roles, self.model)
+            specs = _role_specs("eval", self.model, self.model_name, self.roles)
         except ValueError as e:
             raise SystemExit(str(e)) from None
-        for spec in specs:
-            if not Path(spec.model).is_dir():
-                raise SystemExit(f"roles {spec.roles}: {spec.model!r} is not a local model dir")
         tasks = load_tasks(self.tasks, self.split)
         reward_fn = _reward_fn(self.reward)
         run_dir = _run_dir(self.runs, self.name)
         _save_config(run_dir, self)
         store_path = run_dir / "traces.db"
-        stack = start_roles_stack(specs, remote_roles(roles), store_path, self.engine)
+        stack = start_roles_stack(specs, remote_roles(self.roles), store_path, self.engine)
         _remember_store(store_path)
         cfg = self.runner.model_copy(update={"model": top})
         with ThreadPoolExecutor(cfg.concurrency) as threads:
@@ -231,6 +226,20 @@ class Eval(_Cmd):
         (run_dir / "eval.json").write_text(rep.model_dump_json(indent=2))
         _print_report(rep)
         console.print(f"traces: {store_path}")
+
+
+def _role_specs(
+    command: str, model: str, model_name: str, roles: dict[str, RoleConfig]
+) -> list[PolicySpec]:
+    """The policies to serve: `model` as `model_name`, or each role of `roles` (ValueError
+    with what is wrong: nothing to serve, a bad mapping, a model dir that is not there)."""
+    if not model and not roles:
+        raise ValueError(f"{command} needs --model DIR (or --roles for several roles)")
+    specs = resolve_roles(roles or {model_name: RoleConfig()}, model)
+    for spec in specs:
+        if not spec.model or not Path(spec.model).is_dir():
+            raise ValueError(f"roles {spec.roles}: {spec.model!r} is not a local model dir")
+    return specs
 
 
 def _print_report(rep: BaseModel) -> None:
@@ -361,8 +370,11 @@ class Sft(_Cmd):
 class Serve(_Cmd):
     """Run the store and the gateway as their own process, for runners elsewhere."""
 
-    model: str
-    """Local HF model directory to serve."""
+    model: str = ""
+    """Local HF model directory to serve (the default of every role without its own)."""
+    roles: dict[str, RoleConfig] = {}
+    """Several roles, as in `tracerl train` (JSON, e.g. '{"planner": {"model": "m/p"},
+    "executor": {"share": "planner"}}'): one engine per policy, remote roles forwarded."""
     store: str = "runs/serve/traces.db"
     """SQLite store file."""
     host: str = "127.0.0.1"
@@ -370,19 +382,21 @@ class Serve(_Cmd):
     port: int = 8000
     """Port to listen on."""
     model_name: str = "policy"
-    """The model name agents ask for."""
+    """The model name agents ask for (without `--roles`)."""
     engine: EngineConfig = EngineConfig()
     """How the model is served."""
 
     def cli_cmd(self) -> None:
-        from tracerl.stack import start_stack
-
+        try:
+            specs = _role_specs("serve", self.model, self.model_name, self.roles)
+        except ValueError as e:
+            raise SystemExit(str(e)) from None
         Path(self.store).parent.mkdir(parents=True, exist_ok=True)
-        stack = start_stack(
-            self.model, self.store, self.engine, self.model_name, self.host, self.port
-        )
+        remote = remote_roles(self.roles)
+        stack = start_roles_stack(specs, remote, self.store, self.engine, self.host, self.port)
+        names = ", ".join(stack.gateway.names)
         console.print(f"gateway: {stack.url}/v1 · per rollout: {stack.url}/rollouts/<id>/v1")
-        console.print(f"store API: {stack.url}/store · file {self.store}")
+        console.print(f"models: {names} · store API: {stack.url}/store · file {self.store}")
         try:
             while stack.server.thread.is_alive():
                 time.sleep(0.5)

@@ -135,11 +135,13 @@ def start_roles_stack(
     remote: dict[str, RemoteModel],
     store_path: str | Path,
     engine: EngineConfig,
+    host: str = "127.0.0.1",
+    port: int = 0,
 ) -> LocalStack:
     """Serve every policy's roles from its own engine and the remote roles by forwarding."""
     models: dict[str, str | Path] = {p.name: p.model for p in specs}
     roles = {role: p.name for p in specs for role in p.roles}
-    return start_multi_stack(models, roles, store_path, engine, remote=remote)
+    return start_multi_stack(models, roles, store_path, engine, host, port, remote=remote)
 
 
 class TrainConfig(BaseModel):
