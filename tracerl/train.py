@@ -196,11 +196,11 @@ class TrainConfig(BaseModel):
 
     def check(self) -> None:
         """Clear errors for missing essentials (they may come from a TOML file or flags)."""
+        if not self.roles and not self.model:
+            raise ValueError("train needs --model (or `model = ...`, or [roles.*] with models)")
         for field in ("agent", "tasks"):
             if not getattr(self, field):
                 raise ValueError(f"train needs --{field} (or `{field} = ...` in the config file)")
-        if not self.roles and not self.model:
-            raise ValueError("train needs --model (or `model = ...`, or [roles.*] with models)")
         for spec in policy_specs(self):
             if not spec.model or not Path(spec.model).is_dir():
                 where = f"role {spec.name!r}'s model" if self.roles else "--model"
