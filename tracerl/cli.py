@@ -27,6 +27,7 @@ from tracerl.train import (
     PolicySpec,
     RoleConfig,
     TrainConfig,
+    check_local_models,
     remote_roles,
     resolve_roles,
     start_roles_stack,
@@ -236,9 +237,7 @@ def _role_specs(
     if not model and not roles:
         raise ValueError(f"{command} needs --model DIR (or --roles for several roles)")
     specs = resolve_roles(roles or {model_name: RoleConfig()}, model)
-    for spec in specs:
-        if not spec.model or not Path(spec.model).is_dir():
-            raise ValueError(f"roles {spec.roles}: {spec.model!r} is not a local model dir")
+    check_local_models(specs, bool(roles))
     return specs
 
 

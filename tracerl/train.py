@@ -191,7 +191,7 @@ class TrainConfig(BaseModel):
         # With roles and no model_name given, the top agent is told the first role; the
         # name is then written into the run's config, so a resumed run tells it the same.
         if "model_name" not in self.model_fields_set and self.roles:
-            self.model_name = next(iter(self.roles))
+            self.model_name = top_model(self.model_name, self.roles, named=False)
         return self
 
     def check(self) -> None:
@@ -201,11 +201,17 @@ class TrainConfig(BaseModel):
         for field in ("agent", "tasks"):
             if not getattr(self, field):
                 raise ValueError(f"train needs --{field} (or `{field} = ...` in the config file)")
-        for spec in policy_specs(self):
-            if not spec.model or not Path(spec.model).is_dir():
-                where = f"role {spec.name!r}'s model" if self.roles else "--model"
-                raise ValueError(f"{where} {spec.model!r}: not a local model directory")
+        check_local_models(policy_specs(self), bool(self.roles))
         top_model(self.model_name, self.roles, named=True)
+
+
+def check_local_models(specs: list[PolicySpec], roles: bool) -> None:
+    """Every policy's weights are a local directory (ValueError naming the role, or
+    --model when there are no `roles`)."""
+    for spec in specs:
+        if not spec.model or not Path(spec.model).is_dir():
+            where = f"role {spec.name!r}'s model" if roles else "--model"
+            raise ValueError(f"{where} {spec.model!r}: not a local model directory")
 
 
 def top_model(model_name: str, roles: dict[str, RoleConfig], named: bool) -> str:
