@@ -4,8 +4,9 @@ top-up, and the source state a checkpoint keeps."""
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
-import zlib
+from collections import Counter
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -39,9 +40,24 @@ def agent(task: dict, *, base_url: str, api_key: str, model: str) -> str:
     messages += [reply.choices[0].message.model_dump(exclude_none=True)]
     messages += [{"role": "tool", "tool_call_id": "c", "content": "85"}]
     final = client.chat.completions.create(model=model, messages=messages)
-    if task.get("coin") and zlib.crc32(base_url.encode()) % 2:
+    if task.get("coin") and not _coin(task["id"]):
         return "wrong"
     return final.choices[0].message.content or ""
+
+
+COIN = Counter[str]()
+COIN_LOCK = threading.Lock()
+
+
+def _coin(task_id: str) -> bool:
+    """Coin tasks: odd ids always lose (a group without signal); even ids alternate
+    win/lose per rollout, so both rollouts of a group differ whatever the finishing order.
+    Deterministic, unlike a hash of the rollout id (random ids made the top-up flaky)."""
+    if int(task_id[1:]) % 2:
+        return False
+    with COIN_LOCK:
+        COIN[task_id] += 1
+        return COIN[task_id] % 2 == 0
 
 
 def reward(task: dict, answer: str) -> float:
@@ -81,6 +97,7 @@ def stack(tiny_model_dir: Path, tmp_path: Path) -> Iterator[Stack]:
     yield s
     s.close()
     SLOW.clear()
+    COIN.clear()
 
 
 def _tasks(n: int, coin: bool = False) -> list[Task]:
