@@ -8,12 +8,16 @@ knows its skill but often takes a shortcut). Three runs with the same rollout bu
 
 - both: planner and executor trained, each its own model, advantages within groups per role;
 - planner_only: the planner trained, the executor frozen (served and recorded, not trained);
-- executor_only: the executor trained, the planner frozen.
+- executor_only: the executor trained, the planner frozen;
+- both_aligned (only with --setups): both trained, with M-GRPO's trajectory alignment of the
+  executor (every rollout gives it exactly --align rows; tracerl.algorithms.alignment).
 
-Last line, one JSON object: the final held-out success of each (`both`, `planner_only`,
-`executor_only`), the success before training, and each run's wall time.
+Last line, one JSON object: the final held-out success of each setup run (`both`,
+`planner_only`, `executor_only` by default), the success before training, and each run's
+wall time.
 
     .venv/bin/python bench/multiagent.py [--steps 20 --tasks-per-step 16 --group-size 8]
+    .venv/bin/python bench/multiagent.py --setups both,both_aligned --align 2
 """
 
 from __future__ import annotations
@@ -30,7 +34,7 @@ from tracerl import ensure_passive_omp
 ensure_passive_omp()
 
 from tracerl.demo import cache_dir, example_module  # noqa: E402
-from tracerl.pipeline import PipelineConfig  # noqa: E402
+from tracerl.pipeline import AlgorithmConfig, PipelineConfig  # noqa: E402
 from tracerl.runner import RunnerConfig, python_agent  # noqa: E402
 from tracerl.stack import EngineConfig  # noqa: E402
 from tracerl.train import RoleConfig, TrainConfig, train  # noqa: E402
@@ -41,6 +45,7 @@ SETUPS = {
     "both": (False, False),
     "planner_only": (False, True),
     "executor_only": (True, False),
+    "both_aligned": (False, False),
 }
 """Run name -> (planner frozen, executor frozen)."""
 
@@ -75,7 +80,8 @@ def run_setup(name: str, args: argparse.Namespace, root: Path) -> dict:
             "planner": RoleConfig(model=planner, frozen=frozen_planner),
             "executor": RoleConfig(model=executor, frozen=frozen_executor),
         },
-        eval_before=name == "both",
+        eval_before=name == args.setups[0],
+        algorithm=AlgorithmConfig(align={"executor": args.align} if name == "both_aligned" else {}),
         pipeline=PipelineConfig(
             steps=args.steps,
             tasks_per_step=args.tasks_per_step,
@@ -105,18 +111,28 @@ def main() -> None:
     p.add_argument(
         "--models", default=None, help="a dir holding planner/ and executor/ (default: built)"
     )
+    p.add_argument(
+        "--setups",
+        type=lambda v: v.split(","),
+        default=["both", "planner_only", "executor_only"],
+        help=f"comma-separated, from {','.join(SETUPS)}",
+    )
+    p.add_argument("--align", type=int, default=2, help="both_aligned: executor rows per rollout")
     args = p.parse_args()
+    unknown = sorted(set(args.setups) - set(SETUPS))
+    if unknown:
+        p.error(f"unknown setups {unknown}; choose from {list(SETUPS)}")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(args.runs or tmp)
-        results = {name: run_setup(name, args, root) for name in SETUPS}
+        results = {name: run_setup(name, args, root) for name in args.setups}
     for name, r in results.items():
         before = r["success_before"]
         start = f"{before:.3f} -> " if before is not None else ""
         print(f"{name:>14}  held-out success {start}{r['success_after']:.3f}  {r['wall_s']:.0f} s")
     report = {name: r["success_after"] for name, r in results.items()}
     report |= {
-        "before": results["both"]["success_before"],
+        "before": results[args.setups[0]]["success_before"],
         "wall_s": {name: round(r["wall_s"], 1) for name, r in results.items()},
         "rollouts_per_run": args.steps * args.tasks_per_step * args.group_size,
     }

@@ -247,3 +247,42 @@ def test_each_rollout_weighs_one_per_role_in_the_loss(normalize, aggregation) ->
         w for r, w in zip(out, W_B, strict=True) if (r.role, r.rollout_id) == ("executor", "b")
     ]
     assert len(executor_b) == 3 and statistics.fsum(executor_b) == pytest.approx(1.0)
+
+
+def test_alignment_gives_each_calling_rollout_the_same_executor_rows() -> None:
+    # M-GRPO's trajectory alignment with D = 2: a (1 call) gets a copy of its row, b (3)
+    # loses one at random, c (2) is unchanged, d (0) has nothing to copy; planners untouched.
+    before = rows()
+    out = compute_advantages(GRPO(align={"executor": 2}), before)
+    executor = [r for r in out if r.role == "executor"]
+    assert [r.rollout_id for r in executor] == ["a", "a", "b", "b", "c", "c"]
+    assert len([r for r in out if r.role == "planner"]) == 4
+    originals = {tuple(r.span_ids): r for r in before}
+    for r in executor:  # every row is one of the rollout's own rows: copies, never padding
+        source = originals[tuple(r.span_ids)]
+        assert source.rollout_id == r.rollout_id and r.input_ids == source.input_ids
+    assert executor[0].span_ids == executor[1].span_ids
+    b_ids = [tuple(r.span_ids) for r in executor if r.rollout_id == "b"]
+    assert len(set(b_ids)) == 2
+    c_ids = [tuple(r.span_ids) for r in executor if r.rollout_id == "c"]
+    assert c_ids == [
+        tuple(r.span_ids) for r in before if (r.role, r.rollout_id) == ("executor", "c")
+    ]
+    # The baseline is still over rollouts (a = 1, b = 0, c = 1) and each rollout still
+    # weighs 1 in the executor's loss, now spread over exactly two rows.
+    s = math.sqrt(1 / 3) + 1e-6
+    assert [_scalar(r) for r in executor] == pytest.approx(
+        [1 / 3 / s] * 2 + [-2 / 3 / s] * 2 + [1 / 3 / s] * 2
+    )
+    for x in "abc":
+        mine = [r for r in executor if r.rollout_id == x]
+        assert statistics.fsum(r.weight * sum(r.loss_mask) for r in mine) == pytest.approx(1.0)
+    # The draw is seeded by rollout and role: rows rebuilt from the same spans (a resumed
+    # step) align the same way.
+    again = compute_advantages(GRPO(align={"executor": 2}), rows())
+    assert [r.span_ids for r in again if r.role == "executor"] == [r.span_ids for r in executor]
+
+
+def test_alignment_rejects_a_size_below_one() -> None:
+    with pytest.raises(ValueError, match=">= 1"):
+        compute_advantages(GRPO(align={"executor": 0}), rows())

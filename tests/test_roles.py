@@ -4,6 +4,7 @@ roles recorded but never trained, LoRA adapters per role saved as standard peft 
 from __future__ import annotations
 
 import json
+from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -14,7 +15,7 @@ from openai import OpenAI
 from peft import PeftModel
 from transformers import AutoModelForCausalLM
 
-from tracerl.pipeline import PipelineConfig
+from tracerl.pipeline import AlgorithmConfig, PipelineConfig
 from tracerl.runner import RunnerConfig, python_agent
 from tracerl.stack import start_stack
 from tracerl.store.sqlite import SqliteStore
@@ -135,6 +136,41 @@ def test_shared_backbone_trains_on_both_roles(
     seen: list[tuple[str, set[str]]] = []
     _run(_cfg(tmp_path, tiny_model_dir, roles), seen, monkeypatch).close()
     assert [trained for _, trained in seen] == [{"planner", "executor"}]
+
+
+def test_aligned_role_gets_the_same_rows_from_every_rollout(
+    tiny_model_dir: Path, tmp_path: Path, monkeypatch
+) -> None:  # type: ignore[no-untyped-def]
+    # The agent calls the executor once or twice per task; aligned to 2, every rollout hands
+    # the trainer exactly two executor rows (M-GRPO's fixed-size batch), one planner row.
+    roles = {"planner": RoleConfig(), "executor": RoleConfig(share="planner")}
+    cfg = _cfg(tmp_path, tiny_model_dir, roles)
+    cfg.algorithm = AlgorithmConfig(align={"executor": 2})
+    cfg.pipeline = PipelineConfig(steps=1, tasks_per_step=4, group_size=2, eval_every=0)
+    handed: list[list[Transition]] = []
+    original = Trainer.train
+
+    def spy(self: Trainer, rows: list[Transition]):  # type: ignore[no-untyped-def]
+        handed.append(rows)
+        return original(self, rows)
+
+    monkeypatch.setattr(Trainer, "train", spy)
+    with ThreadPoolExecutor(4) as threads:
+        train(cfg, python_agent(two_roles, threads), reward, (_tasks(4, "t"), _tasks(2, "e")))
+    (rows,) = handed
+    per_rollout = Counter((r.rollout_id, r.role) for r in rows)
+    rollouts = {r.rollout_id for r in rows}
+    assert len(rollouts) == 8  # 4 tasks x 2
+    assert per_rollout == {(x, "planner"): 1 for x in rollouts} | {
+        (x, "executor"): 2 for x in rollouts
+    }
+    store = SqliteStore(tmp_path / "roles" / "traces.db")
+    calls = Counter(s.rollout_id for x in rollouts for s in store.spans(x) if s.role == "executor")
+    store.close()
+    assert sorted(calls.values()) == [1] * 4 + [2] * 4  # the calls varied; the batch did not
+    lines = (tmp_path / "roles" / "metrics.jsonl").read_text().splitlines()
+    (metrics,) = [m for m in map(json.loads, lines) if "train/rows" in m]
+    assert (metrics["train/rows/planner"], metrics["train/rows/executor"]) == (8, 16)
 
 
 def test_lora_per_role_saves_standard_peft_adapters(
@@ -286,6 +322,8 @@ def test_top_agent_is_told_a_served_role_and_check_reads_role_models(
         ({"roles": {"planner": {"model": str(tmp_path / "none")}}}, "role 'planner'.*not a local"),
         ({"roles": {"planner": {}}}, "not a local model directory"),
         ({}, "train needs --model"),
+        ({"roles": two, "algorithm": {"align": {"critic": 2}}}, "align names \\['critic'\\]"),
+        ({"roles": two, "algorithm": {"align": {"executor": 0}}}, "greater than 0"),
     ]
     for extra, message in bad:
         with pytest.raises(ValueError, match=message):

@@ -22,13 +22,14 @@ import json
 import os
 import shutil
 import time
+from collections import Counter
 from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
 
 import torch
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, PositiveInt
 
 from tracerl.algorithms import GRPO, RLOO, Algorithm, DrGRPO, compute_advantages
 from tracerl.algorithms.transitions import spans_to_transitions
@@ -75,14 +76,19 @@ class AlgorithmConfig(BaseModel):
     """GRPO only: divide by the group's reward std."""
     normalize: Literal["token", "sequence", "none"] = "token"
     """Per-rollout weighting so a rollout with more calls does not weigh more."""
+    align: dict[str, PositiveInt] = Field(default_factory=dict)
+    """M-GRPO trajectory alignment: role -> rows every rollout gives that role (e.g.
+    {"executor": 2}): extra sub-agent rows are dropped at random, missing ones are copies of
+    the rollout's own rows, so the role's batch has a fixed size. Empty: every row kept."""
 
     def build(self) -> Algorithm:
         """The algorithm object."""
+        align = dict(self.align)
         if self.name == "grpo":
-            return GRPO(scale_by_std=self.scale_by_std, normalize=self.normalize)
+            return GRPO(scale_by_std=self.scale_by_std, normalize=self.normalize, align=align)
         if self.name == "rloo":
-            return RLOO(normalize=self.normalize)
-        return DrGRPO(normalize=self.normalize)
+            return RLOO(normalize=self.normalize, align=align)
+        return DrGRPO(normalize=self.normalize, align=align)
 
 
 class PipelineConfig(BaseModel):
@@ -245,6 +251,8 @@ class StepReport:
     """Every policy's update by name; None when the batch held no rows of its roles."""
     frozen_rows: int = 0
     """Rows of frozen roles (recorded, not trained)."""
+    role_rows: dict[str, int] = field(default_factory=dict)
+    """Rows of each role in the batch (after alignment, if any)."""
 
 
 class Pipeline:
@@ -354,6 +362,7 @@ class Pipeline:
             curation=self.curator.metrics() if self.curator is not None else {},
             policies=per_policy,
             frozen_rows=sum(r.role not in trained_roles for r in rows),
+            role_rows=dict(Counter(r.role for r in rows)),
         )
 
 

@@ -21,14 +21,18 @@ each sampled token, `Transition.weight`, that the loss uses as a weighted mean (
   rollout), so the loss is the mean over rollouts of the mean of the rollout's rows.
 - normalize="none": weight 1; a rollout weighs by its tokens (token aggregation) or by its
   rows (sequence aggregation).
+
+`Algorithm.align` (M-GRPO's trajectory alignment, tracerl.algorithms.alignment) first gives
+every rollout the same number of rows of a role, before either hook sees them.
 """
 
 from __future__ import annotations
 
 import statistics
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Literal
 
+from tracerl.algorithms.alignment import align_rows
 from tracerl.types import Transition
 
 __all__ = ["RLOO", "Algorithm", "DrGRPO", "GRPO", "Normalize", "compute_advantages"]
@@ -63,6 +67,9 @@ class Algorithm:
 
     normalize: Normalize = "none"
     """How `per_rollout` weights a rollout's tokens (see the module docstring)."""
+    align: dict[str, int] = field(default_factory=dict)
+    """Role -> rows each rollout gives that role (M-GRPO trajectory alignment); roles not
+    named keep every row."""
 
     def per_rollout(self, rows: list[Transition]) -> list[Transition]:
         """Hook over one rollout's rows (one role); here: write the normalisation weight."""
@@ -125,12 +132,15 @@ class DrGRPO(Algorithm):
 
 
 def compute_advantages(algorithm: Algorithm, rows: list[Transition]) -> list[Transition]:
-    """Apply both hooks: per (rollout, role), then per (group, role); rows in group order."""
+    """Align, then apply both hooks: per (rollout, role), then per (group, role); rows in
+    group order."""
     by_rollout: dict[tuple[str, str], list[Transition]] = {}
     for row in rows:
         by_rollout.setdefault((row.rollout_id, row.role), []).append(row)
     by_group: dict[tuple[str, str], list[list[Transition]]] = {}
-    for (_, role), rollout_rows in by_rollout.items():
+    for (rollout, role), rollout_rows in by_rollout.items():
+        if role in algorithm.align:
+            rollout_rows = align_rows(rollout_rows, algorithm.align[role], f"{rollout}/{role}")
         done = algorithm.per_rollout(rollout_rows)
         by_group.setdefault((rollout_rows[0].group_id, role), []).append(done)
     return [row for rollouts in by_group.values() for row in algorithm.per_group(rollouts)]
