@@ -74,3 +74,17 @@ def test_mfu_flop_count_matches_hand_count(tiny_model_dir: Path) -> None:
     )
     rows = mfu.calculator_rows(random.Random(0), 5, mfu.MfuConfig(), vocab)
     assert all(100 <= len(r.input_ids) <= 300 and r.loss_mask[0] == 0 for r in rows)
+
+
+@pytest.mark.slow
+def test_gpu_bench_serves_and_trains_on_the_cpu_path(
+    calculator_model_dir: Path, tmp_path: Path
+) -> None:
+    # bench/gpu.py runs the same code per device; on the CPU it must serve faithfully and
+    # train one step whose weights the following evaluation is served with.
+    gpu = _bench("gpu")
+    served = gpu.serve(str(calculator_model_dir), "cpu", 8, tmp_path)
+    assert served["logprob_max_diff"] < 1e-4 and served["completion_tokens"] > 0
+    trained = gpu.train_on(str(calculator_model_dir), "cpu", 1, 8, tmp_path)
+    assert trained["span_versions"] == [0, 1]
+    assert trained["step_s"] > 0 and trained["train_tok_per_s"] > 0

@@ -119,6 +119,8 @@ class Demo(_Cmd):
     """How rollouts are run."""
     engine: EngineConfig = EngineConfig(max_batch_size=64)
     """How the model is served."""
+    device: str = "cpu"
+    """torch device of the trainer and (unless engine.device is given) the engine."""
 
     def cli_cmd(self) -> None:
         from concurrent.futures import ThreadPoolExecutor
@@ -129,7 +131,7 @@ class Demo(_Cmd):
         from tracerl.types import Task
 
         started = time.perf_counter()
-        console.print("[bold]tracerl demo[/bold]: calculator agent, tiny model, CPU")
+        console.print(f"[bold]tracerl demo[/bold]: calculator agent, tiny model, {self.device}")
         model_dir = ensure_calculator_model(self.recipe, self.rebuild)
         console.print(f"model: {model_dir} (ready in {time.perf_counter() - started:.0f} s)")
         tasks_mod = example_module("calculator", "tasks")
@@ -155,6 +157,7 @@ class Demo(_Cmd):
             trainer=self.trainer,
             runner=self.runner,
             engine=self.engine,
+            device=self.device,
         )
         _remember_store(Path(self.runs) / self.name / "traces.db")
         with ThreadPoolExecutor(self.runner.concurrency) as threads:

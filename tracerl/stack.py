@@ -1,14 +1,15 @@
 """One process holding the store, the engine and the gateway, serving HTTP on loopback.
 
 This is the laptop shape: `tracerl demo`, `eval`, `serve` and the tests build it; runners
-in the same process or elsewhere reach it over HTTP. On a GPU machine the engine kind
-changes and nothing else does.
+in the same process or elsewhere reach it over HTTP. On a GPU machine the engine's device
+changes (`device = "cuda"`) and nothing else does.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 from transformers import AutoTokenizer
@@ -25,10 +26,11 @@ class EngineConfig(BaseModel):
 
     model_config = ConfigDict(use_attribute_docstrings=True)
 
-    kind: str = "hf"
-    """'hf' (transformers, CPU or GPU) or 'vllm' (GPU, optional extra)."""
+    kind: Literal["hf"] = "hf"
+    """'hf': transformers with continuous batching, on the CPU or a GPU (`device`). The only
+    kind in this version: a vLLM engine is not built yet."""
     device: str = "cpu"
-    """torch device for the hf engine."""
+    """torch device for the hf engine ("cpu", "cuda", "cuda:1")."""
     max_batch_size: int = Field(default=32, ge=1)
     """Most sequences decoded together."""
     default_max_tokens: int = Field(default=256, ge=1)
@@ -39,22 +41,15 @@ class EngineConfig(BaseModel):
 
 def make_engine(model_dir: str | Path, cfg: EngineConfig, version: int = 0) -> Engine:
     """Build the configured engine for a local model directory."""
-    if cfg.kind == "hf":
-        from tracerl.engines.hf import HFEngine
+    from tracerl.engines.hf import HFEngine
 
-        return HFEngine(
-            model_dir,
-            device=cfg.device,
-            max_batch_size=cfg.max_batch_size,
-            policy_version=version,
-            seed=cfg.seed,
-        )
-    if cfg.kind == "vllm":
-        from tracerl.engines.vllm import VLLMEngine  # type: ignore[import-not-found]
-
-        engine: Engine = VLLMEngine(model_dir, policy_version=version)
-        return engine
-    raise ValueError(f"unknown engine kind {cfg.kind!r}; expected 'hf' or 'vllm'")
+    return HFEngine(
+        model_dir,
+        device=cfg.device,
+        max_batch_size=cfg.max_batch_size,
+        policy_version=version,
+        seed=cfg.seed,
+    )
 
 
 @dataclass

@@ -184,7 +184,14 @@ class TrainConfig(BaseModel):
     engine: EngineConfig = EngineConfig()
     """How the policy is served."""
     device: str = Field(default="cpu")
-    """torch device of the trainer."""
+    """torch device of the trainer ("cpu", "cuda", "cuda:1"); the engine's too unless
+    engine.device is given: one switch moves the run to a GPU."""
+
+    @model_validator(mode="after")
+    def _engine_follows_device(self) -> TrainConfig:
+        if "device" in self.model_fields_set and "device" not in self.engine.model_fields_set:
+            self.engine = self.engine.model_copy(update={"device": self.device})
+        return self
 
     @model_validator(mode="after")
     def _top_role(self) -> TrainConfig:
@@ -203,6 +210,12 @@ class TrainConfig(BaseModel):
                 raise ValueError(f"train needs --{field} (or `{field} = ...` in the config file)")
         check_local_models(policy_specs(self), bool(self.roles))
         top_model(self.model_name, self.roles, named=True)
+        unknown = sorted(set(self.algorithm.align) - set(self.roles or [self.model_name]))
+        if unknown:
+            raise ValueError(
+                f"algorithm.align names {unknown}, not roles of this run "
+                f"{sorted(self.roles or [self.model_name])}"
+            )
 
 
 def check_local_models(specs: list[PolicySpec], roles: bool) -> None:
@@ -466,6 +479,8 @@ def _save_outputs(policy: Policy, stack: LocalStack, out: Path) -> None:
 def _step_values(report: StepReport) -> dict[str, float | int | str | None]:
     t = report.train
     per_policy: dict[str, float | int | str | None] = {"train/frozen_rows": report.frozen_rows}
+    if len(report.role_rows) > 1:
+        per_policy |= {f"train/rows/{role}": n for role, n in report.role_rows.items()}
     if len(report.policies) > 1:
         for name, m in report.policies.items():
             per_policy[f"train/{name}/loss"] = m.loss if m else None
