@@ -34,11 +34,11 @@ from tracerl import ensure_passive_omp
 ensure_passive_omp()
 
 from tracerl.demo import ensure_calculator_model, example_module  # noqa: E402
+from tracerl.engines.config import EngineConfig  # noqa: E402
 from tracerl.metrics import read_metrics  # noqa: E402
-from tracerl.pipeline import PipelineConfig  # noqa: E402
+from tracerl.pipeline.config import PipelineConfig, TrainConfig  # noqa: E402
+from tracerl.pipeline.run import train  # noqa: E402
 from tracerl.runner import RunnerConfig, python_agent  # noqa: E402
-from tracerl.stack import EngineConfig  # noqa: E402
-from tracerl.train import TrainConfig, train  # noqa: E402
 from tracerl.trainer.trainer import TrainerConfig  # noqa: E402
 from tracerl.types import Task  # noqa: E402
 

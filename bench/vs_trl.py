@@ -57,20 +57,17 @@ sys.path.insert(0, str(ROOT / "examples" / "calculator"))
 from agent import SYSTEM_PROMPT, TOOLS  # noqa: E402
 from tasks import make_tasks  # noqa: E402
 
+from tracerl.algorithms.config import AlgorithmConfig  # noqa: E402
 from tracerl.demo import ensure_calculator_model  # noqa: E402
+from tracerl.engines.config import EngineConfig  # noqa: E402
 from tracerl.gateway.chat import parse_reply  # noqa: E402
-from tracerl.pipeline import (  # noqa: E402
-    AlgorithmConfig,
-    Checkpoints,
-    Pipeline,
-    PipelineConfig,
-    Policy,
-    TaskOrder,
-    make_source,
-)
+from tracerl.pipeline.config import PipelineConfig  # noqa: E402
+from tracerl.pipeline.sources import TaskOrder  # noqa: E402
+from tracerl.pipeline.step import Checkpoints, Pipeline, Policy, make_source  # noqa: E402
 from tracerl.runner import RunnerConfig, python_agent  # noqa: E402
-from tracerl.stack import EngineConfig, start_stack  # noqa: E402
-from tracerl.trainer.trainer import Trainer, TrainerConfig  # noqa: E402
+from tracerl.stack import start_stack  # noqa: E402
+from tracerl.trainer.config import TrainerConfig  # noqa: E402
+from tracerl.trainer.trainer import Trainer  # noqa: E402
 from tracerl.types import Task  # noqa: E402
 
 EXPRESSION = re.compile(r"^\s*(-?\d+)\s*([-+*])\s*(-?\d+)\s*$")

@@ -16,11 +16,11 @@ import pytest
 from openai import OpenAI
 from transformers import AutoTokenizer
 
-from tracerl.curation import CurationConfig, Curator
+from tracerl.algorithms.curation import CurationConfig, Curator
 from tracerl.gateway import Gateway, ServedModel, create_app
+from tracerl.pipeline.sources import AsyncSource, SyncSource, TaskOrder
 from tracerl.runner import Runner, RunnerConfig, python_agent
 from tracerl.server import BackgroundServer, serve_in_thread
-from tracerl.sources import AsyncSource, SyncSource, TaskOrder
 from tracerl.store.sqlite import SqliteStore
 from tracerl.types import Task
 

@@ -10,7 +10,7 @@ import statistics
 import pytest
 
 from tracerl.algorithms import GRPO
-from tracerl.curation import (
+from tracerl.algorithms.curation import (
     AdaptiveGroupSize,
     CurationConfig,
     Curator,
@@ -20,7 +20,8 @@ from tracerl.curation import (
     rollout_costs,
     zero_variance,
 )
-from tracerl.pipeline import Group, rows_for
+from tracerl.pipeline.sources import Group
+from tracerl.pipeline.step import rows_for
 from tracerl.store import SqliteStore
 from tracerl.types import Rollout, RolloutStatus, Span, Task
 

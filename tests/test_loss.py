@@ -10,7 +10,9 @@ import pytest
 import torch
 
 from tracerl.algorithms import GRPO, compute_advantages, spans_to_transitions
-from tracerl.trainer import LossConfig, loss_weights, pack, policy_loss, token_logprobs
+from tracerl.trainer.config import LossConfig
+from tracerl.trainer.loss import loss_weights, policy_loss, token_logprobs
+from tracerl.trainer.packing import pack
 from tracerl.types import Span, Transition
 
 # ---------------------------------------------------------------- plain-Python reference

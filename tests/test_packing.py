@@ -7,7 +7,9 @@ import random
 import pytest
 import torch
 
-from tracerl.trainer import LossConfig, loss_weights, pack, policy_loss
+from tracerl.trainer.config import LossConfig
+from tracerl.trainer.loss import loss_weights, policy_loss
+from tracerl.trainer.packing import pack
 from tracerl.types import Transition
 
 

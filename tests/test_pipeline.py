@@ -11,7 +11,8 @@ from pathlib import Path
 import pytest
 
 from tracerl.cli import _merge
-from tracerl.pipeline import Checkpoints, TaskOrder
+from tracerl.pipeline.sources import TaskOrder
+from tracerl.pipeline.step import Checkpoints
 from tracerl.trainer.trainer import Trainer, TrainerConfig
 from tracerl.types import Task
 

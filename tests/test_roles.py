@@ -15,11 +15,13 @@ from openai import OpenAI
 from peft import PeftModel
 from transformers import AutoModelForCausalLM
 
-from tracerl.pipeline import AlgorithmConfig, PipelineConfig
+from tracerl.algorithms.config import AlgorithmConfig
+from tracerl.pipeline.config import PipelineConfig, TrainConfig
+from tracerl.pipeline.run import train
+from tracerl.roles import RoleConfig, remote_roles
 from tracerl.runner import RunnerConfig, python_agent
 from tracerl.stack import start_stack
 from tracerl.store.sqlite import SqliteStore
-from tracerl.train import RoleConfig, TrainConfig, policy_specs, remote_roles, train
 from tracerl.trainer.trainer import LoraSettings, Trainer, TrainerConfig
 from tracerl.types import Task, Transition
 
@@ -83,7 +85,7 @@ def _run(cfg: TrainConfig, seen: list[tuple[str, set[str]]], monkeypatch) -> Sql
 
 def test_role_mapping_resolves_each_sharing_mode() -> None:
     def specs(roles: dict) -> list:  # type: ignore[type-arg]
-        return policy_specs(TrainConfig(model="/m", roles=roles))
+        return TrainConfig(model="/m", roles=roles).policies()
 
     own = specs({"a": RoleConfig(model="/a"), "b": {}})
     assert [(p.name, p.model, p.roles) for p in own] == [("a", "/a", ["a"]), ("b", "/m", ["b"])]
@@ -337,7 +339,7 @@ def test_the_readme_roles_example_parses() -> None:
     readme = (Path(__file__).parents[1] / "README.md").read_text()
     block = next(b for b in re.findall(r"```toml\n(.*?)```", readme, re.S) if "[roles." in b)
     cfg = TrainConfig.model_validate(tomllib.loads(block))
-    assert [(p.name, p.model) for p in policy_specs(cfg)] == [
+    assert [(p.name, p.model) for p in cfg.policies()] == [
         ("planner", "/models/planner"),
         ("executor", "/models/executor"),
     ]

@@ -18,22 +18,21 @@ from pydantic import BaseModel, ConfigDict, Field
 from pydantic_settings import BaseSettings, CliApp, CliPositionalArg, CliSubCommand
 from rich.console import Console
 
-from tracerl.curation import CurationConfig
+from tracerl.algorithms.config import AlgorithmConfig, CurationConfig
 from tracerl.demo import CalculatorRecipe
-from tracerl.pipeline import AlgorithmConfig, PipelineConfig
-from tracerl.runner import RewardFn, RunnerConfig, load_agent, load_callable
-from tracerl.stack import EngineConfig
-from tracerl.train import (
+from tracerl.engines.config import EngineConfig
+from tracerl.pipeline.config import PipelineConfig, TrainConfig
+from tracerl.pipeline.run import start_roles_stack
+from tracerl.roles import (
     PolicySpec,
     RoleConfig,
-    TrainConfig,
     check_local_models,
     remote_roles,
     resolve_roles,
-    start_roles_stack,
     top_model,
 )
-from tracerl.trainer.trainer import TrainerConfig
+from tracerl.runner import RewardFn, RunnerConfig, load_agent, load_callable
+from tracerl.trainer.config import TrainerConfig
 
 
 # Demo defaults, tuned so the weak tiny model learns the calculator task in minutes on CPU.
@@ -126,8 +125,8 @@ class Demo(_Cmd):
         from concurrent.futures import ThreadPoolExecutor
 
         from tracerl.demo import ensure_calculator_model, example_module
+        from tracerl.pipeline.run import train
         from tracerl.runner import python_agent
-        from tracerl.train import TrainConfig, train
         from tracerl.types import Task
 
         started = time.perf_counter()
@@ -448,7 +447,7 @@ class Train(TrainConfig):
     def cli_cmd(self) -> None:
         import tomllib
 
-        from tracerl.train import load_run_config, train
+        from tracerl.pipeline.run import load_run_config, train
 
         explicit = self.model_dump(exclude_unset=True)
         explicit.pop("config", None)

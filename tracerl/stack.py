@@ -9,34 +9,15 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field
 from transformers import AutoTokenizer
 
 from tracerl.engines.base import Engine
+from tracerl.engines.config import EngineConfig
 from tracerl.gateway import Gateway, ServedModel, create_app
 from tracerl.gateway.remote import RemoteModel
 from tracerl.server import BackgroundServer, serve_in_thread
 from tracerl.store.sqlite import SqliteStore
-
-
-class EngineConfig(BaseModel):
-    """Which engine serves the policy and how."""
-
-    model_config = ConfigDict(use_attribute_docstrings=True)
-
-    kind: Literal["hf"] = "hf"
-    """'hf': transformers with continuous batching, on the CPU or a GPU (`device`). The only
-    kind in this version: a vLLM engine is not built yet."""
-    device: str = "cpu"
-    """torch device for the hf engine ("cpu", "cuda", "cuda:1")."""
-    max_batch_size: int = Field(default=32, ge=1)
-    """Most sequences decoded together."""
-    default_max_tokens: int = Field(default=256, ge=1)
-    """max_tokens for requests that give none."""
-    seed: int = 0
-    """Seed of the engine's sampler for unseeded requests."""
 
 
 def make_engine(model_dir: str | Path, cfg: EngineConfig, version: int = 0) -> Engine:

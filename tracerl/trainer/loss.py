@@ -20,8 +20,10 @@ import math
 from typing import Literal
 
 import torch
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict
 from torch import Tensor
+
+from tracerl.trainer.config import LossConfig
 
 __all__ = [
     "LossConfig",
@@ -33,50 +35,6 @@ __all__ = [
     "token_entropy",
     "token_logprobs",
 ]
-
-
-class LossConfig(BaseModel):
-    """How the policy loss is computed."""
-
-    model_config = ConfigDict(frozen=True, extra="forbid", use_attribute_docstrings=True)
-
-    clip_low: float = 0.2
-    """The ratio is clipped below at 1 - clip_low."""
-    clip_high: float = 0.28
-    """The ratio is clipped above at 1 + clip_high (DAPO clip-higher: > clip_low keeps
-    exploration alive on low-probability tokens)."""
-    tis_cap: float | None = 2.0
-    """Cap of the behaviour -> proximal importance weight w = exp(proximal - behaviour) in
-    the 'truncate' and 'filter' modes; None there turns the correction off (weight 1)."""
-    is_mode: Literal["truncate", "mask", "filter"] = "truncate"
-    """How w = exp(proximal - behaviour) weights each sampled token's surrogate:
-    'truncate' (TIS): min(w, tis_cap), every token kept;
-    'mask' (MIS): w where is_low <= w <= is_high, 0 (token masked) elsewhere; no cap;
-    'filter' (F-TIS): a row whose mean log-weight over its sampled tokens (the log of the
-    geometric-mean weight) lies outside [log is_low, log is_high] is dropped whole (weight 0
-    on all its tokens); the kept rows' tokens get min(w, tis_cap).
-    Masked or dropped tokens stay in the loss denominator as zero-weight samples, so the
-    loss scale does not jump with the masked share and micro-batch accumulation is exact."""
-    is_low: float = Field(default=0.5, gt=0)
-    """Lower bound of the accepted importance weight ('mask': per token; 'filter': per row,
-    geometric mean)."""
-    is_high: float = Field(default=2.0, gt=0)
-    """Upper bound of the accepted importance weight (see is_low)."""
-    entropy_top_q: float | None = Field(default=None, gt=0, le=1)
-    """When set, only the top-q fraction of the sampled tokens of one loss call (one
-    micro-batch), ranked by the current policy's entropy at that position (detached), carry
-    loss; the others are masked (zero loss, kept in the denominator). None: all tokens."""
-    aggregation: Literal["token", "sequence"] = "token"
-    """'token': weighted mean over all sampled tokens of the batch; 'sequence': mean over
-    each row's sampled tokens, then weighted mean over rows."""
-    kl_coef: float = 0.0
-    """Weight of the k3 KL estimator to a reference policy; 0 turns it off."""
-
-    @model_validator(mode="after")
-    def _bounds(self) -> LossConfig:
-        if not self.is_low <= 1.0 <= self.is_high:
-            raise ValueError("is_low <= 1 <= is_high is required (weight 1 must be accepted)")
-        return self
 
 
 class LossMetrics(BaseModel):

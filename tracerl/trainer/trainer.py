@@ -16,15 +16,14 @@ import math
 import random
 import time
 from pathlib import Path
-from typing import Literal
 
 import numpy as np
 import torch
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel
 from transformers import AutoModelForCausalLM, PreTrainedModel
 
+from tracerl.trainer.config import LoraSettings, TrainerConfig
 from tracerl.trainer.loss import (
-    LossConfig,
     LossMetrics,
     loss_weights,
     policy_loss,
@@ -33,67 +32,6 @@ from tracerl.trainer.loss import (
 )
 from tracerl.trainer.packing import MicroBatch, pack
 from tracerl.types import Transition
-
-
-class LoraSettings(BaseModel):
-    """A LoRA adapter instead of full fine-tuning."""
-
-    model_config = ConfigDict(use_attribute_docstrings=True, extra="forbid")
-
-    r: int = Field(default=16, ge=1)
-    """Adapter rank."""
-    alpha: int = 32
-    """Scaling numerator (scale = alpha / r)."""
-    dropout: float = 0.0
-    """Dropout on the adapter input."""
-    target_modules: list[str] = [
-        "q_proj",
-        "k_proj",
-        "v_proj",
-        "o_proj",
-        "gate_proj",
-        "up_proj",
-        "down_proj",
-    ]
-    """Module names that get adapters."""
-
-
-class TrainerConfig(BaseModel):
-    """How the policy is updated from a batch of rows."""
-
-    model_config = ConfigDict(use_attribute_docstrings=True, extra="forbid")
-
-    lr: float = Field(default=1e-4, gt=0)
-    """Peak learning rate (AdamW)."""
-    weight_decay: float = Field(default=0.0, ge=0)
-    """AdamW decoupled weight decay."""
-    beta1: float = 0.9
-    """AdamW beta1."""
-    beta2: float = 0.99
-    """AdamW beta2."""
-    grad_clip: float = Field(default=1.0, gt=0)
-    """Max global gradient norm."""
-    warmup_steps: int = Field(default=0, ge=0)
-    """Optimizer steps of linear warmup."""
-    schedule: Literal["constant", "cosine"] = "constant"
-    """Learning rate after warmup: constant, or cosine decay to 10% over total_steps."""
-    total_steps: int | None = Field(default=None, ge=1)
-    """Optimizer steps the cosine schedule spans; default: a run's steps x minibatches x
-    epochs (filled in by tracerl.train), else 1000."""
-    minibatches: int = Field(default=1, ge=1)
-    """Optimizer steps per batch of rows (PPO mini-batches; >1 makes clipping bite)."""
-    epochs: int = Field(default=1, ge=1)
-    """Passes over each batch."""
-    micro_batch_tokens: int = Field(default=8192, ge=64)
-    """Padded tokens per forward/backward micro-batch (gradients accumulate across them)."""
-    bf16: bool = True
-    """bf16 autocast for forward/backward on CPU or GPU; weights and log-probs stay fp32."""
-    lora: LoraSettings | None = None
-    """Train a LoRA adapter instead of all weights."""
-    loss: LossConfig = LossConfig()
-    """The policy loss."""
-    seed: int = 0
-    """Seed of mini-batch shuffling."""
 
 
 class TrainMetrics(BaseModel):

@@ -26,17 +26,15 @@ from collections import Counter
 from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Literal
 
 import torch
-from pydantic import BaseModel, ConfigDict, Field, PositiveInt
 
-from tracerl.algorithms import GRPO, RLOO, Algorithm, DrGRPO, compute_advantages
+from tracerl.algorithms import Algorithm, compute_advantages
+from tracerl.algorithms.curation import Curator, rollout_costs
 from tracerl.algorithms.transitions import spans_to_transitions
-from tracerl.curation import Curator, rollout_costs
 from tracerl.engines.base import Engine
-from tracerl.runner import AgentFn, RewardFn, Runner, RunnerConfig
-from tracerl.sources import (
+from tracerl.pipeline.config import PipelineConfig
+from tracerl.pipeline.sources import (
     AsyncSource,
     Group,
     GroupSize,
@@ -46,16 +44,15 @@ from tracerl.sources import (
     TaskOrder,
     is_trainable,
 )
+from tracerl.runner import AgentFn, RewardFn, Runner, RunnerConfig
 from tracerl.store import Store
 from tracerl.trainer.trainer import Trainer, TrainMetrics
 from tracerl.types import PolicyVersion, Rollout, Task, Transition
 
 __all__ = [
-    "AlgorithmConfig",
     "Checkpoints",
     "Group",
     "Pipeline",
-    "PipelineConfig",
     "Policy",
     "RolloutSource",
     "StepReport",
@@ -63,68 +60,6 @@ __all__ = [
     "make_source",
     "rows_for",
 ]
-
-
-class AlgorithmConfig(BaseModel):
-    """Credit assignment: how rewards become per-token advantages."""
-
-    model_config = ConfigDict(use_attribute_docstrings=True, extra="forbid")
-
-    name: Literal["grpo", "rloo", "drgrpo"] = "grpo"
-    """GRPO (group baseline, std scaling), RLOO (leave-one-out), Dr.GRPO (unnormalised)."""
-    scale_by_std: bool = True
-    """GRPO only: divide by the group's reward std."""
-    normalize: Literal["token", "sequence", "none"] = "token"
-    """Per-rollout weighting so a rollout with more calls does not weigh more."""
-    align: dict[str, PositiveInt] = Field(default_factory=dict)
-    """M-GRPO trajectory alignment: role -> rows every rollout gives that role (e.g.
-    {"executor": 2}): extra sub-agent rows are dropped at random, missing ones are copies of
-    the rollout's own rows, so the role's batch has a fixed size. Empty: every row kept."""
-
-    def build(self) -> Algorithm:
-        """The algorithm object."""
-        align = dict(self.align)
-        if self.name == "grpo":
-            return GRPO(scale_by_std=self.scale_by_std, normalize=self.normalize, align=align)
-        if self.name == "rloo":
-            return RLOO(normalize=self.normalize, align=align)
-        return DrGRPO(normalize=self.normalize, align=align)
-
-
-class PipelineConfig(BaseModel):
-    """Scheduling of generation and training."""
-
-    model_config = ConfigDict(use_attribute_docstrings=True, extra="forbid")
-
-    mode: Literal["sync", "async"] = "sync"
-    """'sync': each step generates its batch, then trains on it. 'async': runners and the
-    engine keep generating while the trainer trains (see tracerl.sources.AsyncSource)."""
-    max_staleness: int = Field(default=2, ge=0)
-    """async: a rollout sampled by a policy older than current - max_staleness is not
-    trained on; also bounds how far generation runs ahead ((k + 1) x tasks_per_step groups
-    pending at most)."""
-    window: int | None = Field(default=None, ge=1)
-    """async: the trainer may take any complete group among the oldest `window` pending
-    ones (windowed FIFO); default 2 x tasks_per_step."""
-    stale: Literal["drop", "requeue"] = "requeue"
-    """async: what happens to a too-stale rollout: dropped, or its task re-run in the same
-    group (counted either way in metrics)."""
-    steps: int = Field(default=30, ge=1)
-    """Training steps (policy versions published)."""
-    tasks_per_step: int = Field(default=16, ge=1)
-    """Tasks per step; each is attempted group_size times."""
-    group_size: int = Field(default=8, ge=1)
-    """Rollouts per task sharing a baseline."""
-    eval_every: int = Field(default=5, ge=0)
-    """Held-out evaluation every this many steps (0: only before and after)."""
-    eval_size: int = Field(default=100, ge=1)
-    """Held-out tasks per periodic evaluation."""
-    checkpoint_every: int = Field(default=1, ge=1)
-    """Steps between checkpoints."""
-    keep_checkpoints: int = Field(default=2, ge=1)
-    """Checkpoints kept on disk."""
-    seed: int = 0
-    """Seed of the task order."""
 
 
 def rows_for(store: Store, groups: list[Group], algorithm: Algorithm) -> list[Transition]:

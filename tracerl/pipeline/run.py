@@ -11,123 +11,24 @@ from __future__ import annotations
 import json
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
 from pathlib import Path
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel
 from tqdm import tqdm
 
-from tracerl.curation import CurationConfig, Curator
+from tracerl.algorithms.curation import Curator
+from tracerl.engines.config import EngineConfig
 from tracerl.evaluate import EvalReport, evaluate, load_tasks
 from tracerl.gateway.remote import RemoteModel
 from tracerl.metrics import MetricsLog, plot_pipeline, plot_rewards
-from tracerl.pipeline import (
-    AlgorithmConfig,
-    Checkpoints,
-    Pipeline,
-    PipelineConfig,
-    Policy,
-    StepReport,
-    make_source,
-)
+from tracerl.pipeline.config import TrainConfig
+from tracerl.pipeline.sources import AsyncSource, SyncSource
+from tracerl.pipeline.step import Checkpoints, Pipeline, Policy, StepReport, make_source
+from tracerl.roles import PolicySpec, remote_roles
 from tracerl.runner import AgentFn, RewardFn, RunnerConfig, load_agent, load_callable
-from tracerl.sources import AsyncSource, SyncSource
-from tracerl.stack import EngineConfig, LocalStack, start_multi_stack
-from tracerl.trainer.trainer import LoraSettings, Trainer, TrainerConfig
+from tracerl.stack import LocalStack, start_multi_stack
+from tracerl.trainer.trainer import Trainer
 from tracerl.types import Task
-
-
-class RoleConfig(BaseModel):
-    """How one role (a `model` name agents ask for) is served and trained."""
-
-    model_config = ConfigDict(use_attribute_docstrings=True, extra="forbid")
-
-    model: str | None = None
-    """Its own local HF model dir; default: the run's `model`."""
-    share: str | None = None
-    """Play this other role's policy: the same weights, trained on both roles' rows (one
-    backbone, several roles)."""
-    frozen: bool = False
-    """Served by the local engine and recorded, never trained."""
-    lora: LoraSettings | None = None
-    """A LoRA adapter of its own on `model` (saved as a standard peft adapter); default:
-    the run's trainer.lora."""
-    url: str | None = None
-    """Served by this OpenAI-compatible server instead (base URL up to /v1): frozen, its
-    calls recorded as text (no tokens), never trained."""
-    remote_model: str | None = None
-    """With `url`: the model name that server knows; default: the role's name."""
-    api_key_env: str | None = None
-    """With `url`: the environment variable holding its API key (sent as a bearer token)."""
-
-    @model_validator(mode="after")
-    def _remote_alone(self) -> RoleConfig:
-        if self.url is None:
-            if self.remote_model or self.api_key_env:
-                raise ValueError("remote_model and api_key_env need a url")
-            return self
-        if not self.url.startswith(("http://", "https://")):
-            raise ValueError(f"url {self.url!r}: expected http(s)://host[:port]/v1")
-        if self.model or self.share or self.lora:
-            raise ValueError("a role served by a url has no local model, share or lora")
-        return self
-
-
-@dataclass
-class PolicySpec:
-    """A policy resolved from the roles: its name, weights, roles, and whether it trains."""
-
-    name: str
-    model: str
-    roles: list[str]
-    frozen: bool
-    lora: LoraSettings | None
-
-
-def resolve_roles(
-    roles: dict[str, RoleConfig], model: str, lora: LoraSettings | None = None
-) -> list[PolicySpec]:
-    """Roles -> policies: a role with local weights of its own is a policy named after it
-    (its model dir, else `model`); a sharing role joins its target's policy; a role served
-    by a url is none. Clear errors for a bad mapping."""
-    specs: dict[str, PolicySpec] = {}
-    for role, rc in roles.items():
-        if rc.share is None and rc.url is None:
-            own = rc.lora or lora
-            specs[role] = PolicySpec(role, rc.model or model, [role], rc.frozen, own)
-    for role, rc in roles.items():
-        if rc.share is None:
-            continue
-        if rc.share not in specs:
-            raise ValueError(
-                f"role {role!r} shares {rc.share!r}, which is not a role with local weights "
-                "of its own"
-            )
-        if rc.model or rc.lora or rc.frozen:
-            raise ValueError(
-                f"role {role!r} shares {rc.share!r}'s weights; set model, lora or frozen "
-                f"on {rc.share!r} instead"
-            )
-        specs[rc.share].roles.append(role)
-    return list(specs.values())
-
-
-def policy_specs(cfg: TrainConfig) -> list[PolicySpec]:
-    """The run's policies (one, `model_name` from `model`, when `roles` is empty)."""
-    roles = cfg.roles or {cfg.model_name: RoleConfig()}
-    specs = resolve_roles(roles, cfg.model, cfg.trainer.lora)
-    if all(spec.frozen for spec in specs):
-        raise ValueError("every role is frozen: there is nothing to train")
-    return specs
-
-
-def remote_roles(roles: dict[str, RoleConfig]) -> dict[str, RemoteModel]:
-    """The roles served by OpenAI-compatible URLs elsewhere (frozen, recorded as text)."""
-    return {
-        role: RemoteModel(role, rc.url, rc.remote_model or role, rc.api_key_env)
-        for role, rc in roles.items()
-        if rc.url is not None
-    }
 
 
 def start_roles_stack(
@@ -142,103 +43,6 @@ def start_roles_stack(
     models: dict[str, str | Path] = {p.name: p.model for p in specs}
     roles = {role: p.name for p in specs for role in p.roles}
     return start_multi_stack(models, roles, store_path, engine, host, port, remote=remote)
-
-
-class TrainConfig(BaseModel):
-    """Everything a training run needs; saved as runs/<name>/config.json."""
-
-    model_config = ConfigDict(use_attribute_docstrings=True, extra="forbid")
-
-    name: str = "train"
-    """Run name: outputs go to <runs>/<name>/."""
-    runs: str = "runs"
-    """Folder holding runs."""
-    model: str = ""
-    """Local HF model directory to start from."""
-    agent: str = ""
-    """The agent: 'file.py:function', 'module:function', or 'cmd:<command line>'."""
-    reward: str | None = None
-    """Reward function 'file.py:function' called as f(task, answer)."""
-    tasks: str = ""
-    """Task file (JSONL); its 'train' split is trained on."""
-    eval_tasks: str | None = None
-    """Held-out task file; default: the 'eval' split of `tasks`."""
-    eval_before: bool = True
-    """Evaluate on all held-out tasks before training."""
-    model_name: str = "policy"
-    """The model name the agent is told to use (the role); with `roles`, default: the first."""
-    roles: dict[str, RoleConfig] = Field(default_factory=dict)
-    """Multi-agent runs: each role (a `model` name the agents ask for) and its policy;
-    empty: one role, `model_name`, trained from `model`."""
-    pipeline: PipelineConfig = PipelineConfig()
-    """Scheduling."""
-    algorithm: AlgorithmConfig = AlgorithmConfig()
-    """Credit assignment."""
-    curation: CurationConfig = CurationConfig()
-    """Data curation: dynamic sampling, replay, adaptive group size, conditional advantage
-    (each off by default)."""
-    trainer: TrainerConfig = TrainerConfig()
-    """Policy update."""
-    runner: RunnerConfig = RunnerConfig()
-    """How rollouts are run."""
-    engine: EngineConfig = EngineConfig()
-    """How the policy is served."""
-    device: str = Field(default="cpu")
-    """torch device of the trainer ("cpu", "cuda", "cuda:1"); the engine's too unless
-    engine.device is given: one switch moves the run to a GPU."""
-
-    @model_validator(mode="after")
-    def _engine_follows_device(self) -> TrainConfig:
-        if "device" in self.model_fields_set and "device" not in self.engine.model_fields_set:
-            self.engine = self.engine.model_copy(update={"device": self.device})
-        return self
-
-    @model_validator(mode="after")
-    def _top_role(self) -> TrainConfig:
-        # With roles and no model_name given, the top agent is told the first role; the
-        # name is then written into the run's config, so a resumed run tells it the same.
-        if "model_name" not in self.model_fields_set and self.roles:
-            self.model_name = top_model(self.model_name, self.roles, named=False)
-        return self
-
-    def check(self) -> None:
-        """Clear errors for missing essentials (they may come from a TOML file or flags)."""
-        if not self.roles and not self.model:
-            raise ValueError("train needs --model (or `model = ...`, or [roles.*] with models)")
-        for field in ("agent", "tasks"):
-            if not getattr(self, field):
-                raise ValueError(f"train needs --{field} (or `{field} = ...` in the config file)")
-        check_local_models(policy_specs(self), bool(self.roles))
-        top_model(self.model_name, self.roles, named=True)
-        unknown = sorted(set(self.algorithm.align) - set(self.roles or [self.model_name]))
-        if unknown:
-            raise ValueError(
-                f"algorithm.align names {unknown}, not roles of this run "
-                f"{sorted(self.roles or [self.model_name])}"
-            )
-
-
-def check_local_models(specs: list[PolicySpec], roles: bool) -> None:
-    """Every policy's weights are a local directory (ValueError naming the role, or
-    --model when there are no `roles`)."""
-    for spec in specs:
-        if not spec.model or not Path(spec.model).is_dir():
-            where = f"role {spec.name!r}'s model" if roles else "--model"
-            raise ValueError(f"{where} {spec.model!r}: not a local model directory")
-
-
-def top_model(model_name: str, roles: dict[str, RoleConfig], named: bool) -> str:
-    """The model name the runner hands the top agent: `model_name`, or with roles and no
-    `model_name` given (`named` false), the first role. A name no role serves is an error
-    here rather than a 404 in every rollout."""
-    if not roles or model_name in roles:
-        return model_name
-    if not named:
-        return next(iter(roles))
-    raise ValueError(
-        f"model_name {model_name!r} is not one of the roles {sorted(roles)}: set model_name "
-        "to the role the top agent calls"
-    )
 
 
 class TrainSummary(BaseModel):
@@ -280,7 +84,7 @@ def train(
     train_tasks, held_out = tasks or split_tasks(cfg)
     if reward_fn is None and cfg.reward:
         reward_fn = load_callable(cfg.reward)
-    specs = policy_specs(cfg)
+    specs = cfg.policies()
     stack = start_roles_stack(specs, remote_roles(cfg.roles), run_dir / "traces.db", cfg.engine)
     log = MetricsLog(run_dir)
     threads = ThreadPoolExecutor(cfg.runner.concurrency)

@@ -27,14 +27,15 @@ import math
 import statistics
 from collections import deque
 from collections.abc import Collection
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict
 
+from tracerl.algorithms.config import CurationConfig, Secondary
 from tracerl.types import Rollout, RolloutStatus, Span, Transition
 
 if TYPE_CHECKING:
-    from tracerl.sources import Group
+    from tracerl.pipeline.sources import Group
     from tracerl.store import Store
 
 __all__ = [
@@ -52,62 +53,9 @@ __all__ = [
     "zero_variance",
 ]
 
-Secondary = Literal["calls", "tokens"]
 
 # Rollouts with an outcome to learn from; timed-out ones are not trained on (rows_for).
 _OUTCOME = frozenset({RolloutStatus.succeeded, RolloutStatus.failed})
-
-
-class CurationConfig(BaseModel):
-    """Which data-curation switches are on; all off by default."""
-
-    model_config = ConfigDict(use_attribute_docstrings=True, extra="forbid")
-
-    success_threshold: float = 1.0
-    """A finished rollout whose final reward (None read as 0) is >= this is a success."""
-    dynamic_sampling: bool = False
-    """Drop groups whose finished rollouts all got the same final reward (DAPO)."""
-    replay: bool = False
-    """Put a stored success of a rarely solved task into its next all-fail group (DART)."""
-    replay_capacity: int = Field(default=4, ge=1)
-    """Successful rollouts remembered per task; the newest are kept."""
-    replay_max_success_rate: float = Field(default=0.25, ge=0.0, le=1.0)
-    """Only tasks whose success rate over every finished rollout observed so far is at most
-    this get replays."""
-    adaptive_group_size: bool = False
-    """Size each task's group from its recent outcomes (rule: `AdaptiveGroupSize`)."""
-    group_size_min: int = Field(default=2, ge=1)
-    """Smallest group issued; tasks always solved or always failed get it."""
-    group_size_max: int = Field(default=16, ge=1)
-    """Largest group issued."""
-    group_size_window: int = Field(default=32, ge=1)
-    """How many recent finished outcomes of a task the size rule looks at."""
-    group_size_minority: float = Field(default=2.0, gt=0)
-    """Rollouts of the rarer outcome a mixed task's group is sized to hold on average."""
-    conditional_coef: float = Field(default=0.0, ge=0.0)
-    """Weight of the conditional cost advantage among correct rollouts; 0 turns it off."""
-    secondary: Secondary = "calls"
-    """The cost the conditional advantage lowers: 'calls' (model calls = spans of the
-    rollout) or 'tokens' (sampled completion tokens of the rollout)."""
-    conditional_scale_by_pass_rate: bool = False
-    """DDCA: scale conditional_coef by the group's pass rate, so easy tasks push harder for
-    economy and hard ones keep their budget."""
-
-    @property
-    def enabled(self) -> bool:
-        """Whether any switch is on."""
-        return (
-            self.dynamic_sampling
-            or self.replay
-            or self.adaptive_group_size
-            or self.conditional_coef > 0
-        )
-
-    @model_validator(mode="after")
-    def _sizes(self) -> CurationConfig:
-        if self.group_size_min > self.group_size_max:
-            raise ValueError("group_size_min must be <= group_size_max")
-        return self
 
 
 # ------------------------------------------------------------------------------ outcomes

@@ -1,0 +1,149 @@
+"""Roles -> policies: which `model` names agents ask for, and which weights answer them.
+
+A role is the model name an agent's call names ("planner", "executor"). A role with local
+weights of its own is a policy (a trainer and an engine); a sharing role plays another
+role's policy; a frozen role is served and recorded, never trained; a role served by a URL
+elsewhere is forwarded by the gateway and recorded as text. Torch-free: configs use it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from pydantic import BaseModel, ConfigDict, model_validator
+
+from tracerl.trainer.config import LoraSettings
+
+if TYPE_CHECKING:
+    from tracerl.gateway.remote import RemoteModel
+
+__all__ = [
+    "PolicySpec",
+    "RoleConfig",
+    "check_local_models",
+    "policy_specs",
+    "remote_roles",
+    "resolve_roles",
+    "top_model",
+]
+
+
+class RoleConfig(BaseModel):
+    """How one role (a `model` name agents ask for) is served and trained."""
+
+    model_config = ConfigDict(use_attribute_docstrings=True, extra="forbid")
+
+    model: str | None = None
+    """Its own local HF model dir; default: the run's `model`."""
+    share: str | None = None
+    """Play this other role's policy: the same weights, trained on both roles' rows (one
+    backbone, several roles)."""
+    frozen: bool = False
+    """Served by the local engine and recorded, never trained."""
+    lora: LoraSettings | None = None
+    """A LoRA adapter of its own on `model` (saved as a standard peft adapter); default:
+    the run's trainer.lora."""
+    url: str | None = None
+    """Served by this OpenAI-compatible server instead (base URL up to /v1): frozen, its
+    calls recorded as text (no tokens), never trained."""
+    remote_model: str | None = None
+    """With `url`: the model name that server knows; default: the role's name."""
+    api_key_env: str | None = None
+    """With `url`: the environment variable holding its API key (sent as a bearer token)."""
+
+    @model_validator(mode="after")
+    def _remote_alone(self) -> RoleConfig:
+        if self.url is None:
+            if self.remote_model or self.api_key_env:
+                raise ValueError("remote_model and api_key_env need a url")
+            return self
+        if not self.url.startswith(("http://", "https://")):
+            raise ValueError(f"url {self.url!r}: expected http(s)://host[:port]/v1")
+        if self.model or self.share or self.lora:
+            raise ValueError("a role served by a url has no local model, share or lora")
+        return self
+
+
+@dataclass
+class PolicySpec:
+    """A policy resolved from the roles: its name, weights, roles, and whether it trains."""
+
+    name: str
+    model: str
+    roles: list[str]
+    frozen: bool
+    lora: LoraSettings | None
+
+
+def resolve_roles(
+    roles: dict[str, RoleConfig], model: str, lora: LoraSettings | None = None
+) -> list[PolicySpec]:
+    """Roles -> policies: a role with local weights of its own is a policy named after it
+    (its model dir, else `model`); a sharing role joins its target's policy; a role served
+    by a url is none. Clear errors for a bad mapping."""
+    specs: dict[str, PolicySpec] = {}
+    for role, rc in roles.items():
+        if rc.share is None and rc.url is None:
+            own = rc.lora or lora
+            specs[role] = PolicySpec(role, rc.model or model, [role], rc.frozen, own)
+    for role, rc in roles.items():
+        if rc.share is None:
+            continue
+        if rc.share not in specs:
+            raise ValueError(
+                f"role {role!r} shares {rc.share!r}, which is not a role with local weights "
+                "of its own"
+            )
+        if rc.model or rc.lora or rc.frozen:
+            raise ValueError(
+                f"role {role!r} shares {rc.share!r}'s weights; set model, lora or frozen "
+                f"on {rc.share!r} instead"
+            )
+        specs[rc.share].roles.append(role)
+    return list(specs.values())
+
+
+def policy_specs(
+    roles: dict[str, RoleConfig], model_name: str, model: str, lora: LoraSettings | None
+) -> list[PolicySpec]:
+    """A run's policies (one, `model_name` from `model`, when `roles` is empty)."""
+    specs = resolve_roles(roles or {model_name: RoleConfig()}, model, lora)
+    if all(spec.frozen for spec in specs):
+        raise ValueError("every role is frozen: there is nothing to train")
+    return specs
+
+
+def remote_roles(roles: dict[str, RoleConfig]) -> dict[str, RemoteModel]:
+    """The roles served by OpenAI-compatible URLs elsewhere (frozen, recorded as text)."""
+    from tracerl.gateway.remote import RemoteModel
+
+    return {
+        role: RemoteModel(role, rc.url, rc.remote_model or role, rc.api_key_env)
+        for role, rc in roles.items()
+        if rc.url is not None
+    }
+
+
+def check_local_models(specs: list[PolicySpec], roles: bool) -> None:
+    """Every policy's weights are a local directory (ValueError naming the role, or
+    --model when there are no `roles`)."""
+    for spec in specs:
+        if not spec.model or not Path(spec.model).is_dir():
+            where = f"role {spec.name!r}'s model" if roles else "--model"
+            raise ValueError(f"{where} {spec.model!r}: not a local model directory")
+
+
+def top_model(model_name: str, roles: dict[str, RoleConfig], named: bool) -> str:
+    """The model name the runner hands the top agent: `model_name`, or with roles and no
+    `model_name` given (`named` false), the first role. A name no role serves is an error
+    here rather than a 404 in every rollout."""
+    if not roles or model_name in roles:
+        return model_name
+    if not named:
+        return next(iter(roles))
+    raise ValueError(
+        f"model_name {model_name!r} is not one of the roles {sorted(roles)}: set model_name "
+        "to the role the top agent calls"
+    )
