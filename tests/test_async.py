@@ -16,9 +16,11 @@ import pytest
 from openai import OpenAI
 from transformers import AutoTokenizer
 
-from tracerl.algorithms.curation import CurationConfig, Curator
+from tracerl.algorithms.config import CurationConfig
+from tracerl.algorithms.curation import Curation
 from tracerl.gateway import Gateway, ServedModel, create_app
-from tracerl.pipeline.sources import AsyncSource, SyncSource, TaskOrder
+from tracerl.pipeline.async_source import AsyncSource
+from tracerl.pipeline.sources import Agents, SourceState, SyncSource, TaskOrder
 from tracerl.runner import Runner, RunnerConfig, python_agent
 from tracerl.server import BackgroundServer, serve_in_thread
 from tracerl.store.sqlite import SqliteStore
@@ -76,14 +78,12 @@ class Stack:
         self.server: BackgroundServer = serve_in_thread(create_app(gateway))
         self.threads = ThreadPoolExecutor(16)
 
+    def agents(self) -> Agents:
+        cfg = RunnerConfig(concurrency=16, poll_s=0.01)
+        return Agents(self.server.url, python_agent(agent, self.threads), reward, cfg)
+
     def runner(self) -> Runner:
-        return Runner(
-            self.store,
-            self.server.url,
-            python_agent(agent, self.threads),
-            reward,
-            RunnerConfig(concurrency=16, poll_s=0.01),
-        )
+        return self.agents().runner(self.store)
 
     def close(self) -> None:
         self.server.stop()
@@ -98,6 +98,10 @@ def stack(tiny_model_dir: Path, tmp_path: Path) -> Iterator[Stack]:
     s.close()
     SLOW.clear()
     COIN.clear()
+
+
+NONE = Curation([], group_size=2)
+"""No curation: groups of two."""
 
 
 def _tasks(n: int, coin: bool = False) -> list[Task]:
@@ -116,7 +120,7 @@ def _index(group_id: str) -> int:
 def test_windowed_fifo_trains_around_a_long_tail(stack: Stack) -> None:
     order = TaskOrder(_tasks(8), per_step=1, seed=0)
     SLOW[order.task(0).id] = 1.5  # the first task issued is slow; the others take ms
-    source = AsyncSource("run", stack.store, stack.runner(), order, 2, lambda: 0, window=2)
+    source = AsyncSource("run", stack.store, stack.agents(), order, NONE, lambda: 0, window=2)
     try:
         t0 = time.perf_counter()
         taken = [_index(g.id) for g in source.batch(0)]
@@ -132,7 +136,7 @@ def test_windowed_fifo_trains_around_a_long_tail(stack: Stack) -> None:
 def test_window_bounds_how_far_training_runs_ahead(stack: Stack) -> None:
     order = TaskOrder(_tasks(8), per_step=1, seed=0)
     SLOW.update({order.task(0).id: 1.0, order.task(1).id: 1.0})  # the two oldest are slow
-    source = AsyncSource("run", stack.store, stack.runner(), order, 2, lambda: 0, window=2)
+    source = AsyncSource("run", stack.store, stack.agents(), order, NONE, lambda: 0, window=2)
     try:
         t0 = time.perf_counter()
         batch = source.batch(0)
@@ -150,9 +154,9 @@ def test_spans_beyond_max_staleness_are_never_trained(stack: Stack, stale: str) 
     source = AsyncSource(
         "run",
         stack.store,
-        stack.runner(),
+        stack.agents(),
         order,
-        2,
+        NONE,
         lambda: version[0],
         max_staleness=1,
         stale=stale,  # type: ignore[arg-type]
@@ -169,9 +173,10 @@ def test_spans_beyond_max_staleness_are_never_trained(stack: Stack, stale: str) 
     finally:
         source.close()
     for group in batch:
-        for r in group.rollouts:
-            versions = {s.policy_version for s in stack.store.spans(r.id, r.attempt)}
+        for f in group.rollouts:
+            versions = {s.policy_version for s in stack.store.spans(f.id, f.rollout.attempt)}
             assert min(versions) >= version[0] - 1
+            assert [s.id for s in f.spans] == [s.id for s in stack.store.spans(f.id)]
     if stale == "drop":
         assert source.stats.stale_dropped >= 4 and all(not g.rollouts for g in batch)
     else:  # the same groups, re-run by the current policy
@@ -182,7 +187,9 @@ def test_spans_beyond_max_staleness_are_never_trained(stack: Stack, stale: str) 
 def test_pause_stops_issuing_and_state_rebuilds_pending(stack: Stack) -> None:
     tasks = _tasks(6)
     order = TaskOrder(tasks, per_step=2, seed=0)
-    source = AsyncSource("run", stack.store, stack.runner(), order, 2, lambda: 0, max_staleness=1)
+    source = AsyncSource(
+        "run", stack.store, stack.agents(), order, NONE, lambda: 0, max_staleness=1
+    )
     try:
         source.batch(0)
         source.pause(True)
@@ -194,28 +201,27 @@ def test_pause_stops_issuing_and_state_rebuilds_pending(stack: Stack) -> None:
         assert source.issued == issued
     finally:
         source.close()
-    assert 4 <= state["issued"] <= 6 and len(state["consumed"]) == 2  # type: ignore[operator,arg-type]
-    resumed = AsyncSource("run", stack.store, stack.runner(), order, 2, lambda: 0)
-    resumed.load_state(state)
+    assert 4 <= state.issued <= 6 and state.consumed_below + len(state.consumed) == 2
+    resumed = AsyncSource("run", stack.store, stack.agents(), order, NONE, lambda: 0)
+    resumed.load_state(SourceState.model_validate_json(state.model_dump_json()))
     # Groups issued after the checkpoint are found in the store, in issue order.
     assert resumed.issued == issued
-    consumed = set(state["consumed"])  # type: ignore[call-overload]
+    consumed = set(range(state.consumed_below)) | set(state.consumed)
     assert [p.index for p in resumed.pending] == [k for k in range(issued) if k not in consumed]
 
 
 def test_sync_dynamic_sampling_tops_up_groups_without_signal(stack: Stack) -> None:
     tasks = _tasks(40, coin=True)
     order = TaskOrder(tasks, per_step=4, seed=0)
-    curator = Curator(CurationConfig(dynamic_sampling=True), group_size=2)
-    source = SyncSource("run", stack.store, stack.runner(), order, 2, curate=curator.curate)
+    curation = Curation.build(CurationConfig(dynamic_sampling=True), 2, success_threshold=1.0)
+    source = SyncSource("run", stack.store, stack.agents(), order, curation)
     batch = source.batch(0)
     assert len(batch) == 4
     for group in batch:  # every group trained on has reward variance
-        assert len({r.reward for r in group.rollouts}) == 2
-    dropped = source.stats.dropped_zero_variance
+        assert len({f.reward for f in group.rollouts}) == 2
+    dropped = curation.metrics()["curation/dropped_zero_variance"]
     issued = {r.group_id for r in stack.store.rollouts()}
     assert dropped > 0 and len(issued) == 4 + dropped  # each dropped group was replaced
-    assert curator.metrics()["curation/dropped_zero_variance"] == dropped
 
 
 def test_runner_utilisation_counts_busy_slots(stack: Stack) -> None:
@@ -225,3 +231,25 @@ def test_runner_utilisation_counts_busy_slots(stack: Stack) -> None:
     SLOW.update({f"t{i}": 0.2 for i in range(4)})
     asyncio.run(runner.run(until_idle=True))
     assert 4 * 0.2 <= runner.busy_s < 4 * 2.0
+
+
+def test_close_cancels_in_flight_rollouts_and_writes_nothing_after(stack: Stack) -> None:
+    """Regression: close() said in-flight rollouts were abandoned but waited for them (up
+    to 30 s), and the run then closed the store while that thread could still write."""
+    tasks = _tasks(4)
+    SLOW.update({t.id: 3.0 for t in tasks})
+    source = AsyncSource(
+        "run", stack.store, stack.agents(), TaskOrder(tasks, 2, 0), NONE, lambda: 0
+    )
+    source.start()
+    deadline = time.monotonic() + 20
+    while stack.store.counts().get("running", 0) < 4:
+        assert time.monotonic() < deadline
+        time.sleep(0.02)
+    t0 = time.perf_counter()
+    source.close()
+    assert time.perf_counter() - t0 < 2.0  # did not wait for the 3 s agents
+    before = [(r.id, r.status, r.attempt) for r in stack.store.rollouts()]
+    time.sleep(3.5)  # the agents' sleeps end; their runner is gone
+    assert [(r.id, r.status, r.attempt) for r in stack.store.rollouts()] == before
+    assert stack.store.counts().get("succeeded", 0) == 0

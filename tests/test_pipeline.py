@@ -11,9 +11,10 @@ from pathlib import Path
 import pytest
 
 from tracerl.cli import _merge
-from tracerl.pipeline.sources import TaskOrder
-from tracerl.pipeline.step import Checkpoints
-from tracerl.trainer.trainer import Trainer, TrainerConfig
+from tracerl.pipeline.checkpoints import Checkpoints, PipelineState, read_ledger
+from tracerl.pipeline.sources import SourceState, TaskOrder
+from tracerl.trainer.config import TrainerConfig
+from tracerl.trainer.trainer import Trainer
 from tracerl.types import Task
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -34,12 +35,30 @@ def test_checkpoint_round_trip_and_pruning(tiny_model_dir: Path, tmp_path: Path)
     assert ckpts.latest() is None
     for step in (1, 2, 3):
         trainer.version = step
-        ckpts.save(trainer, step, [f"r{i}" for i in range(step)], {"issued": step})
+        ckpts.record(step, [f"r{step}"])
+        state = PipelineState(step=step, rollouts_trained=step, source=SourceState(issued=step))
+        ckpts.save(trainer, state)
+    ckpts.record(4, ["r4"])  # trained at step 4, then the process died before its checkpoint
     assert sorted(p.name for p in (tmp_path / "checkpoints").glob("step-*")) == ["step-2", "step-3"]
     fresh = Trainer(tiny_model_dir, TrainerConfig())
-    step, trained, source = ckpts.restore(fresh)
-    assert (step, trained, fresh.version) == (3, ["r0", "r1", "r2"], 3)
-    assert source == {"issued": 3}
+    state = ckpts.restore(fresh)
+    assert (state.step, state.rollouts_trained, fresh.version) == (3, 3, 3)
+    assert state.source == SourceState(issued=3)
+    # The ledger is the history of the restored weights: step 4's update died with it.
+    assert read_ledger(tmp_path) == ["r1", "r2", "r3"]
+
+
+def test_checkpoint_size_does_not_grow_with_the_run(tiny_model_dir: Path, tmp_path: Path) -> None:
+    """Regression: every rollout id ever trained was written into every checkpoint."""
+    trainer = Trainer(tiny_model_dir, TrainerConfig())
+    ckpts = Checkpoints(tmp_path, keep=1)
+    sizes = []
+    for step in range(1, 6):
+        ckpts.record(step, [f"rollout-{step}-{i:04d}" for i in range(500)])
+        ckpts.save(trainer, PipelineState(step=step, rollouts_trained=500 * step))
+        sizes.append((tmp_path / "checkpoints" / f"step-{step}" / "pipeline.json").stat().st_size)
+    assert max(sizes) - min(sizes) <= 2  # only the numbers' digits change
+    assert len(read_ledger(tmp_path)) == 2500
 
 
 def test_cli_overrides_merge_into_file_config() -> None:

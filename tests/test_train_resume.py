@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 from tasks import make_tasks
 
+from tracerl.pipeline.checkpoints import read_ledger
 from tracerl.store.sqlite import SqliteStore
 from tracerl.types import RolloutStatus
 
@@ -76,8 +77,7 @@ def test_sigkill_mid_step_then_resume(tiny_model_dir: Path, tmp_path: Path) -> N
     assert resumed.wait(timeout=300) == 0
     summary = json.loads((run / "summary.json").read_text())
     assert summary["steps"] == 4
-    final = json.loads((run / "checkpoints" / "step-4" / "pipeline.json").read_text())
-    trained = final["trained"]
+    trained = read_ledger(run)
     assert len(trained) == len(set(trained)), "a rollout was trained twice"
     store = SqliteStore(run / "traces.db")
     train_rollouts = [r for r in store.rollouts() if "/step" in (r.group_id or "")]
@@ -101,6 +101,10 @@ def test_async_sigkill_with_rollouts_in_flight_then_resume(
     _kill_when(proc, run, lambda group: True)
     latest = (run / "checkpoints" / "latest").read_text().strip()
     at_kill = json.loads((run / "checkpoints" / latest / "pipeline.json").read_text())
+    ledger = [json.loads(line) for line in (run / "trained.jsonl").read_text().splitlines()]
+    trained_at_kill = {
+        i for line in ledger if line["step"] <= at_kill["step"] for i in line["rollouts"]
+    }
     store = SqliteStore(run / "traces.db")
     completed = {r.id for r in store.rollouts(status=RolloutStatus.succeeded) if "/g" in r.group_id}
     in_flight = {r.id for r in store.rollouts(status=RolloutStatus.running)}
@@ -109,11 +113,13 @@ def test_async_sigkill_with_rollouts_in_flight_then_resume(
     resumed = _train(tmp_path, tiny_model_dir, "--resume", str(run))
     assert resumed.wait(timeout=300) == 0
     final = json.loads((run / "checkpoints" / "step-4" / "pipeline.json").read_text())
-    trained = final["trained"]
+    trained = read_ledger(run)
     assert len(trained) == len(set(trained)), "a rollout was trained twice"
-    assert set(at_kill["trained"]) <= set(trained)
+    assert trained_at_kill <= set(trained)
+    assert final["rollouts_trained"] == len(trained)
     store = SqliteStore(run / "traces.db")
-    consumed = set(final["state"]["source"]["consumed"])
+    source = final["source"]
+    consumed = set(range(source["consumed_below"])) | set(source["consumed"])
     pending = {
         r.id
         for r in store.rollouts()

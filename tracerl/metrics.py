@@ -9,11 +9,23 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
-import matplotlib
+if TYPE_CHECKING:
+    from tracerl.pipeline.step import StepReport
 
-matplotlib.use("Agg")  # files only; no display on servers
-import matplotlib.pyplot as plt  # noqa: E402
+Values = dict[str, float | int | str | None]
+"""One step's metrics by name."""
+
+
+def _pyplot() -> Any:
+    """matplotlib's pyplot on the file-only backend, imported when a plot is drawn."""
+    import matplotlib
+
+    matplotlib.use("Agg")  # files only; no display on servers
+    import matplotlib.pyplot as plt
+
+    return plt
 
 
 class MetricsLog:
@@ -27,7 +39,7 @@ class MetricsLog:
 
             self.writer = SummaryWriter(str(run_dir / "tb"))
 
-    def log(self, step: int, values: dict[str, float | int | str | None]) -> None:
+    def log(self, step: int, values: Values) -> None:
         """Record one step's values (non-numbers go to the JSON line only)."""
         with self.path.open("a") as f:
             f.write(json.dumps({"step": step, **values}) + "\n")
@@ -57,6 +69,7 @@ def read_metrics(path: Path) -> list[dict]:
 
 def plot_rewards(metrics_path: Path, out: Path, title: str = "") -> Path:
     """reward.png: train reward and held-out success against training step."""
+    plt = _pyplot()
     rows = read_metrics(metrics_path)
     train = [(r["step"], r["train/reward"]) for r in rows if "train/reward" in r]
     evals = [(r["step"], r["eval/success"]) for r in rows if "eval/success" in r]
@@ -88,6 +101,7 @@ PIPELINE_PANELS = (
 
 def plot_pipeline(metrics_path: Path, out: Path, title: str = "") -> Path:
     """pipeline.png: staleness, trainer idle time, runner utilisation, rollouts/s by step."""
+    plt = _pyplot()
     rows = read_metrics(metrics_path)
     fig, axes = plt.subplots(2, 2, figsize=(9, 6), sharex=True)
     for ax, (name, keys) in zip(axes.flat, PIPELINE_PANELS, strict=True):
@@ -106,3 +120,39 @@ def plot_pipeline(metrics_path: Path, out: Path, title: str = "") -> Path:
     fig.savefig(out, dpi=110)
     plt.close(fig)
     return out
+
+
+def step_values(report: StepReport) -> Values:
+    """One pipeline step's report as flat metric names (what metrics.jsonl and TensorBoard
+    show); curation's counters come under curation/, each under one name."""
+    t, src = report.train, report.source
+    values: Values = {"train/frozen_rows": report.frozen_rows}
+    if len(report.role_rows) > 1:
+        values |= {f"train/rows/{role}": n for role, n in report.role_rows.items()}
+    if len(report.policies) > 1:
+        for name, m in report.policies.items():
+            values[f"train/{name}/loss"] = m.loss if m else None
+            values[f"train/{name}/tokens"] = m.tokens if m else 0
+            values[f"train/{name}/kl_behaviour"] = m.kl_behaviour if m else None
+    trained = {f"train/{k}": v for k, v in t.model_dump().items() if k != "wall_s"}
+    return (
+        values
+        | trained
+        | report.curation
+        | {
+            "train/reward": report.reward,
+            "train/success": report.success,
+            "train/rollouts": report.rollouts,
+            "train/rows": report.rows,
+            "time/generate_s": report.generate_s,
+            "time/train_s": t.wall_s,
+            "time/trainer_idle_s": src.wait_s,
+            "pipeline/staleness_mean": src.staleness_mean,
+            "pipeline/staleness_max": src.staleness_max,
+            "pipeline/stale_dropped": src.stale_dropped,
+            "pipeline/stale_requeued": src.stale_requeued,
+            "pipeline/pending_groups": src.pending_groups,
+            "pipeline/rollouts_per_s": report.rollouts / max(report.generate_s + t.wall_s, 1e-9),
+        }
+        | ({"runner/utilisation": src.utilisation} if src.utilisation is not None else {})
+    )

@@ -14,8 +14,12 @@ from enum import StrEnum
 from pydantic import BaseModel, ConfigDict, Field, JsonValue, model_validator
 
 __all__ = [
+    "FINISHED",
+    "HAS_OUTCOME",
     "VALID_TRANSITIONS",
+    "FinishedRollout",
     "Generation",
+    "Group",
     "PolicyVersion",
     "Reward",
     "Rollout",
@@ -55,6 +59,10 @@ class RolloutStatus(StrEnum):
 
 
 FINISHED = frozenset({RolloutStatus.succeeded, RolloutStatus.failed, RolloutStatus.timed_out})
+"""Final states: a rollout here never changes again."""
+HAS_OUTCOME = frozenset({RolloutStatus.succeeded, RolloutStatus.failed})
+"""Final states with an outcome to learn from: the agent answered (rightly or not). A
+timed-out rollout, or one whose attempts all expired, has none and is never trained on."""
 
 # The lifecycle as data: the store refuses any transition not listed here.
 # running -> queued happens when a runner's lease expires (it died or hung) and the
@@ -178,13 +186,62 @@ class Reward(_Record):
     """When it was given."""
 
 
+class FinishedRollout(_Record):
+    """A finished rollout as the training side sees it, read from the store once: the
+    record, and the spans and rewards of its last attempt (none for a rollout without an
+    outcome, whose spans are never trained on)."""
+
+    rollout: Rollout
+    """The store's record (status, attempt, final reward, answer)."""
+    spans: list[Span] = Field(default_factory=list)
+    """The model calls of its last attempt, in call order."""
+    rewards: list[Reward] = Field(default_factory=list)
+    """The rewards given to its last attempt (final, per role and per step)."""
+
+    @property
+    def id(self) -> str:
+        """The rollout's id."""
+        return self.rollout.id
+
+    @property
+    def reward(self) -> float:
+        """The final reward, a missing one read as 0."""
+        return self.rollout.reward or 0.0
+
+    @property
+    def has_outcome(self) -> bool:
+        """Whether it has an outcome to learn from (see HAS_OUTCOME)."""
+        return self.rollout.status in HAS_OUTCOME
+
+    def success(self, threshold: float) -> bool:
+        """Whether it has an outcome and its final reward is at least `threshold`."""
+        return self.has_outcome and self.reward >= threshold
+
+
+class Group(_Record):
+    """The finished rollouts of one task that share a baseline."""
+
+    id: str
+    """Deterministic id (a function of the run and the task's position in the stream)."""
+    task: Task
+    """The task every rollout of the group attempted."""
+    rollouts: list[FinishedRollout]
+    """Its rollouts, in issue order (a replayed one may come from another group)."""
+
+    def with_outcome(self) -> list[FinishedRollout]:
+        """The rollouts with an outcome, in order."""
+        return [f for f in self.rollouts if f.has_outcome]
+
+
 class PolicyVersion(_Record):
     """A published version of a trainable policy's weights."""
 
     version: int
     """Monotonic version number; 0 is the initial model."""
-    path: str
-    """Directory holding the weights (an HF model dir or a peft adapter)."""
+    path: str = ""
+    """The checkpoint's model dir holding these weights, recorded only once that
+    checkpoint is written; "" for a step that was not checkpointed. Older checkpoints are
+    pruned (pipeline.keep_checkpoints), so only the newest paths stay on disk."""
     role: str = "policy"
     """Which policy this is a version of."""
     created_at: float = Field(default_factory=time.time)

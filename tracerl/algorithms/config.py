@@ -50,8 +50,6 @@ class CurationConfig(BaseModel):
 
     model_config = ConfigDict(use_attribute_docstrings=True, extra="forbid")
 
-    success_threshold: float = 1.0
-    """A finished rollout whose final reward (None read as 0) is >= this is a success."""
     dynamic_sampling: bool = False
     """Drop groups whose finished rollouts all got the same final reward (DAPO)."""
     replay: bool = False

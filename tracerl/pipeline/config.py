@@ -76,6 +76,9 @@ class TrainConfig(BaseModel):
     """Held-out task file; default: the 'eval' split of `tasks`."""
     eval_before: bool = True
     """Evaluate on all held-out tasks before training."""
+    success_threshold: float = 1.0
+    """A rollout with an outcome whose final reward (None read as 0) is >= this is a
+    success: for the success rates logged and evaluated, and for curation."""
     model_name: str = "policy"
     """The model name the agent is told to use (the role); with `roles`, default: the first."""
     roles: dict[str, RoleConfig] = Field(default_factory=dict)

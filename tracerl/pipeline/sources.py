@@ -2,51 +2,40 @@
 
 The source is the boundary between generation and training. Both kinds issue tasks in a
 fixed order (TaskOrder) under group ids that are a function of the run and the task's
-position, so a resumed run finds what it had issued instead of issuing it again.
+position, so a resumed run finds what it had issued instead of issuing it again. Each owns
+the runner that runs its rollouts, and reads every finished rollout from the store once
+(`read_finished`): the records it hands over carry their spans and rewards.
 
-- SyncSource: each step issues tasks x group_size rollouts and waits for all of them.
-- AsyncSource: runners never wait for the trainer. A background thread keeps issuing
-  groups and running them while the trainer trains; the trainer takes complete groups
-  through a windowed FIFO (any complete group among the oldest `window` pending ones, so
-  a long-tail rollout neither blocks the others nor starves), and never trains on a
-  rollout sampled by a policy older than current - max_staleness: such a rollout is
-  dropped, or its task re-run in the same group (`stale`).
+- SyncSource (here): each step issues tasks x group_size rollouts and waits for them.
+- AsyncSource (tracerl.pipeline.async_source): generation never waits for training.
 """
 
 from __future__ import annotations
 
 import asyncio
 import random
-import threading
 import time
-from collections.abc import Callable, Collection
-from dataclasses import dataclass, field
-from typing import Literal, Protocol
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Protocol
 
-from tracerl.runner import Runner
+from pydantic import BaseModel, ConfigDict
+
+from tracerl.algorithms.curation import Curation
+from tracerl.runner import AgentFn, RewardFn, Runner, RunnerConfig
 from tracerl.store import Store
-from tracerl.types import FINISHED, Rollout, RolloutStatus, Task
+from tracerl.types import HAS_OUTCOME, FinishedRollout, Group, Rollout, Task
 
 __all__ = [
-    "AsyncSource",
-    "Curate",
-    "Group",
-    "GroupSize",
+    "Agents",
     "RolloutSource",
+    "SourceState",
     "SourceStats",
     "SyncSource",
     "TaskOrder",
-    "is_trainable",
+    "issue_group",
+    "read_finished",
 ]
-
-
-@dataclass
-class Group:
-    """The finished rollouts of one task that share a baseline."""
-
-    id: str
-    task: Task
-    rollouts: list[Rollout]
 
 
 @dataclass
@@ -55,8 +44,6 @@ class SourceStats:
 
     wait_s: float = 0.0
     """Time the trainer spent waiting for the batch (trainer idle time)."""
-    dropped_zero_variance: int = 0
-    """Complete groups skipped because every rollout got the same reward."""
     stale_dropped: int = 0
     """Rollouts not trained on because their policy was older than current - k."""
     stale_requeued: int = 0
@@ -67,6 +54,25 @@ class SourceStats:
     """Largest such staleness in the batch."""
     pending_groups: int = 0
     """Groups issued and not yet trained or dropped, when the batch was taken."""
+    utilisation: float | None = None
+    """Share of runner slots busy since the source started (async only)."""
+
+
+class SourceState(BaseModel):
+    """What a checkpoint keeps of a source to resume it exactly (sync sources keep none:
+    their group ids are a function of the step)."""
+
+    model_config = ConfigDict(use_attribute_docstrings=True, extra="forbid")
+
+    issued: int = 0
+    """Groups issued so far (async)."""
+    consumed_below: int = 0
+    """Every group with an index below this was consumed (trained on or dropped)."""
+    consumed: list[int] = []
+    """Consumed group indices at or above consumed_below (the windowed FIFO takes groups
+    a little out of order, so this stays within the window's size)."""
+    discarded: dict[str, list[str]] = {}
+    """Pending group id -> its stale rollouts whose task was re-run (never trained)."""
 
 
 class RolloutSource(Protocol):
@@ -79,17 +85,41 @@ class RolloutSource(Protocol):
         """Finished groups to train on at `step`."""
         ...
 
-    def state(self) -> dict[str, object]:
+    def state(self) -> SourceState:
         """What a checkpoint must keep to resume the source exactly."""
         ...
 
-    def load_state(self, state: dict[str, object]) -> None:
+    def load_state(self, state: SourceState) -> None:
         """Restore what state() returned."""
         ...
 
-    def close(self) -> None:
-        """Stop any background work."""
+    def pause(self, paused: bool) -> None:
+        """Stop (or resume) issuing new work, e.g. while a held-out evaluation runs."""
         ...
+
+    def close(self) -> None:
+        """Stop background work; once it returns, the source writes nothing more."""
+        ...
+
+
+@dataclass(frozen=True)
+class Agents:
+    """What a source's runner needs: the gateway, the agent, its reward, how to run it."""
+
+    gateway_url: str
+    """Base URL of the gateway the agents call."""
+    agent: AgentFn
+    """The agent."""
+    reward_fn: RewardFn | None
+    """Reward function, when the agent does not return or post one."""
+    cfg: RunnerConfig
+    """Concurrency, timeouts, leases."""
+
+    def runner(self, store: Store, on_finish: Callable[[Rollout], None] | None = None) -> Runner:
+        """A runner for this source's rollouts."""
+        return Runner(
+            store, self.gateway_url, self.agent, self.reward_fn, self.cfg, on_finish=on_finish
+        )
 
 
 class TaskOrder:
@@ -110,18 +140,6 @@ class TaskOrder:
         return [self.task(k) for k in range(step * self.per_step, (step + 1) * self.per_step)]
 
 
-Curate = Callable[[list[Group]], tuple[list[Group], list[Group]]]
-"""Complete groups -> (kept, dropped): curation (tracerl.curation.Curator.curate) may fill
-a group from a replay buffer or drop one without signal; the source tops up the dropped."""
-GroupSize = Callable[[Task], int]
-"""Rollouts to issue for a task (adaptive group size)."""
-
-
-def _sizer(group_size: int | GroupSize) -> GroupSize:
-    """A fixed group size as a function of the task, like an adaptive one."""
-    return group_size if callable(group_size) else (lambda task: group_size)
-
-
 def issue_group(store: Store, gid: str, task: Task, size: int, max_attempts: int) -> None:
     """Queue `size` rollouts of `task` under `gid`, unless a resumed run already did."""
     store.add_tasks([task])
@@ -129,27 +147,36 @@ def issue_group(store: Store, gid: str, task: Task, size: int, max_attempts: int
         store.enqueue([task.id] * size, gid, max_attempts)
 
 
+def read_finished(store: Store, rollout: Rollout) -> FinishedRollout:
+    """The one read of a finished rollout: its last attempt's spans and rewards (none for a
+    rollout without an outcome, which is never trained on)."""
+    if rollout.status not in HAS_OUTCOME:
+        return FinishedRollout(rollout=rollout)
+    spans = store.spans(rollout.id, rollout.attempt)
+    rewards = store.rewards(rollout.id, rollout.attempt)
+    return FinishedRollout(rollout=rollout, spans=spans, rewards=rewards)
+
+
 class SyncSource:
     """Issues a step's rollouts and waits for all of them (reusing any already issued).
 
-    With a `curate` hook, groups it drops (dynamic sampling) are replaced by fresh tasks
-    from a separate top-up stream, in up to `max_topups` rounds.
+    Groups that curation drops (dynamic sampling) are replaced by fresh tasks from a
+    separate top-up stream, in up to `max_topups` rounds.
     """
 
     def __init__(
         self,
         run: str,
         store: Store,
-        runner: Runner,
+        agents: Agents,
         order: TaskOrder,
-        group_size: int | GroupSize,
+        curation: Curation,
         max_attempts: int = 3,
-        curate: Curate | None = None,
         max_topups: int = 3,
     ) -> None:
-        self.run, self.store, self.runner = run, store, runner
-        self.order, self.max_attempts = order, max_attempts
-        self.size, self.curate, self.max_topups = _sizer(group_size), curate, max_topups
+        self.run, self.store, self.order = run, store, order
+        self.runner = agents.runner(store)
+        self.curation, self.max_attempts, self.max_topups = curation, max_attempts, max_topups
         self.stats = SourceStats()
 
     def group_id(self, step: int, index: int, task: Task) -> str:
@@ -158,25 +185,27 @@ class SyncSource:
 
     def _run(self, ids: list[tuple[str, Task]]) -> list[Group]:
         for gid, task in ids:
-            issue_group(self.store, gid, task, self.size(task), self.max_attempts)
+            size = self.curation.group_size(task.id)
+            issue_group(self.store, gid, task, size, self.max_attempts)
         asyncio.run(self.runner.run(until_idle=True))
-        return [Group(gid, task, self.store.rollouts(group_id=gid)) for gid, task in ids]
+        return [self._read(gid, task) for gid, task in ids]
+
+    def _read(self, gid: str, task: Task) -> Group:
+        rollouts = [read_finished(self.store, r) for r in self.store.rollouts(group_id=gid)]
+        return Group(id=gid, task=task, rollouts=rollouts)
 
     def batch(self, step: int) -> list[Group]:
         started = time.perf_counter()
         self.stats = SourceStats()
         tasks = self.order.at(step)
         groups = self._run([(self.group_id(step, i, t), t) for i, t in enumerate(tasks)])
-        if self.curate is not None:
-            groups = self._top_up(step, groups)
+        kept, _ = self.curation.curate(groups)
+        kept = self._top_up(step, kept)
         self.stats.wait_s = time.perf_counter() - started
-        return groups
+        return kept
 
-    def _top_up(self, step: int, groups: list[Group]) -> list[Group]:
+    def _top_up(self, step: int, kept: list[Group]) -> list[Group]:
         """Replace dropped groups with fresh tasks (deterministic ids: resumable)."""
-        assert self.curate is not None
-        kept, dropped = self.curate(groups)
-        self.stats.dropped_zero_variance = len(dropped)
         # The top-up stream reads the task order from the far end, so it does not
         # repeat the tasks of the steps to come.
         total = len(self.order.tasks) * 1000
@@ -187,258 +216,18 @@ class SyncSource:
             base = total - (step * self.max_topups + rnd + 1) * self.order.per_step
             fresh = [self.order.task(base + i) for i in range(missing)]
             ids = [(f"{self.run}/step{step}/top{rnd}-{i}-{t.id}", t) for i, t in enumerate(fresh)]
-            more, dropped = self.curate(self._run(ids))
-            kept += more
-            self.stats.dropped_zero_variance += len(dropped)
+            more, _ = self.curation.curate(self._run(ids), kept)
+            kept = kept + more
         return kept[: self.order.per_step]
 
-    def state(self) -> dict[str, object]:
-        return {}
+    def state(self) -> SourceState:
+        return SourceState()
 
-    def load_state(self, state: dict[str, object]) -> None:
+    def load_state(self, state: SourceState) -> None:
         pass
-
-    def close(self) -> None:
-        pass
-
-
-@dataclass
-class _Pending:
-    """A group issued to the runners and not yet trained or dropped."""
-
-    index: int
-    id: str
-    task: Task
-    discarded: set[str] = field(default_factory=set)
-    """Ids of its stale rollouts whose task was re-run (never trained)."""
-
-
-class AsyncSource:
-    """Generation that never waits for training; see the module docstring.
-
-    `version()` is the trainer's current policy version. Issuing is bounded so generation
-    does not run far ahead of training: at most (max_staleness + 1) x tasks_per_step groups
-    are pending at once (the same bound that keeps most rollouts within the staleness
-    limit); `window` is how many of the oldest pending groups the trainer may pick from.
-    """
-
-    def __init__(
-        self,
-        run: str,
-        store: Store,
-        runner: Runner,
-        order: TaskOrder,
-        group_size: int | GroupSize,
-        version: Callable[[], int],
-        max_staleness: int = 2,
-        window: int | None = None,
-        stale: Literal["drop", "requeue"] = "requeue",
-        max_attempts: int = 3,
-        curate: Curate | None = None,
-        poll_s: float = 0.02,
-        trained_roles: Collection[str] | None = None,
-    ) -> None:
-        self.run, self.store, self.runner, self.order = run, store, runner, order
-        # Only trained roles' spans age: a frozen role's weights never change.
-        self.trained_roles = None if trained_roles is None else frozenset(trained_roles)
-        self.size = _sizer(group_size)
-        self.version, self.max_staleness, self.stale = version, max_staleness, stale
-        per_step = order.per_step
-        self.limit = (max_staleness + 1) * per_step
-        self.window = min(window or 2 * per_step, self.limit)
-        self.max_attempts, self.curate, self.poll_s = max_attempts, curate, poll_s
-        self.stats = SourceStats()
-        self.issued = 0
-        self.pending: list[_Pending] = []
-        self.consumed: list[int] = []
-        self._ages: list[int] = []
-        self.paused = False
-        self._lock = threading.Lock()
-        # The runner says which groups just had a rollout finish, so a waiting batch re-reads
-        # those from the store instead of every pending group at every poll. A full re-read
-        # every `rescan_s` still catches rollouts finished elsewhere (runners in another
-        # process, leases expired).
-        self._dirty: set[str] = set()
-        self.rescan_s = 0.25
-        notify = runner.on_finish
-
-        def finished(rollout: Rollout) -> None:
-            with self._lock:
-                self._dirty.add(rollout.group_id or "")
-            notify(rollout)
-
-        runner.on_finish = finished
-        self._stop: asyncio.Event | None = None
-        self._loop: asyncio.AbstractEventLoop | None = None
-        self._thread: threading.Thread | None = None
-        self.started_at = time.perf_counter()
-
-    # -- issuing (background thread) -------------------------------------------------
-
-    def group_id(self, index: int, task: Task) -> str:
-        """Deterministic, so a resumed run finds the groups it had issued."""
-        return f"{self.run}/g{index}-{task.id}"
-
-    def _issue(self) -> None:
-        """Top the pending groups up to the bound (skipped while paused for evaluation)."""
-        with self._lock:
-            while not self.paused and len(self.pending) < self.limit:
-                task = self.order.task(self.issued)
-                gid = self.group_id(self.issued, task)
-                issue_group(self.store, gid, task, self.size(task), self.max_attempts)
-                self.pending.append(_Pending(self.issued, gid, task))
-                self.issued += 1
-
-    async def _main(self) -> None:
-        self._stop = asyncio.Event()
-        work = asyncio.create_task(self.runner.run(until_idle=False, stop=self._stop))
-        while not self._stop.is_set():
-            await asyncio.to_thread(self._issue)
-            await asyncio.sleep(self.poll_s)
-        await work
-
-    def start(self) -> None:
-        """Start issuing and running rollouts in a background thread."""
-        if self._thread is not None:
-            return
-        self.started_at = time.perf_counter()
-        self._loop = asyncio.new_event_loop()
-        self._thread = threading.Thread(
-            target=self._loop.run_until_complete, args=(self._main(),), daemon=True
-        )
-        self._thread.start()
-
-    def close(self) -> None:
-        """Stop the runners (in-flight rollouts are abandoned to their leases)."""
-        if self._thread is None or self._loop is None:
-            return
-        loop, stop = self._loop, self._stop
-        if stop is not None:
-            loop.call_soon_threadsafe(stop.set)
-        self._thread.join(timeout=30)
-        self._thread = None
 
     def pause(self, paused: bool) -> None:
-        """Stop (or resume) issuing new groups, e.g. while a held-out evaluation runs."""
-        self.paused = paused
+        pass  # it issues only inside batch()
 
-    # -- taking batches (trainer thread) ---------------------------------------------
-
-    def _stale(self, rollout: Rollout, current: int) -> int:
-        """current version - the oldest version that sampled any of the rollout's trained
-        spans (a frozen role's, or a remote role's text-only spans, do not age)."""
-        roles = self.trained_roles
-        versions = [
-            s.policy_version
-            for s in self.store.spans(rollout.id, rollout.attempt)
-            if s.completion_ids and (roles is None or s.role in roles)
-        ]
-        return current - min(versions) if versions else 0
-
-    def _complete(self, p: _Pending, current: int) -> Group | None:
-        """The group if all its rollouts are finished and fresh enough; re-runs stale ones."""
-        rollouts = [r for r in self.store.rollouts(group_id=p.id) if r.id not in p.discarded]
-        if any(r.status not in FINISHED for r in rollouts):
-            return None
-        fresh = []
-        for r in rollouts:
-            age = self._stale(r, current)
-            if age <= self.max_staleness:
-                fresh.append((r, age))
-            elif self.stale == "requeue":
-                p.discarded.add(r.id)
-                self.store.enqueue([p.task.id], p.id, self.max_attempts)
-                self.stats.stale_requeued += 1
-            else:
-                self.stats.stale_dropped += 1
-        if self.stale == "requeue" and len(fresh) < len(rollouts):
-            return None
-        self._ages += [age for _, age in fresh]
-        return Group(p.id, p.task, [r for r, _ in fresh])
-
-    def batch(self, step: int) -> list[Group]:
-        """Wait for tasks_per_step complete groups among the oldest `window` pending ones."""
-        self.start()
-        started = time.perf_counter()
-        self.stats, self._ages = SourceStats(), []
-        out: list[Group] = []
-        skipped = 0
-        scanned = 0.0  # when every group of the window was last read: never
-        while len(out) < self.order.per_step:
-            current = self.version()
-            full = time.perf_counter() - scanned >= self.rescan_s
-            with self._lock:
-                window = list(self.pending[: self.window])
-                dirty, self._dirty = self._dirty, set()
-            if full:
-                scanned = time.perf_counter()
-            else:
-                window = [p for p in window if p.id in dirty]
-            took = False
-            for p in window:
-                group = self._complete(p, current)
-                if group is None:
-                    continue
-                self._consume(p)
-                took = True
-                kept = self.curate([group])[0] if self.curate is not None else [group]
-                if not kept:
-                    self.stats.dropped_zero_variance += 1
-                    skipped += 1
-                    continue
-                out += kept
-                if len(out) == self.order.per_step:
-                    break
-            if skipped >= 3 * self.order.per_step and out:
-                break  # nearly every group is solved or failed: train on what there is
-            if not took:
-                time.sleep(self.poll_s)
-        self.stats.wait_s = time.perf_counter() - started
-        self.stats.pending_groups = len(self.pending)
-        if self._ages:
-            self.stats.staleness_mean = sum(self._ages) / len(self._ages)
-            self.stats.staleness_max = max(self._ages)
-        return out
-
-    def _consume(self, p: _Pending) -> None:
-        with self._lock:
-            self.pending.remove(p)
-            self.consumed.append(p.index)
-
-    # -- checkpoints ------------------------------------------------------------------
-
-    def state(self) -> dict[str, object]:
-        with self._lock:
-            return {
-                "issued": self.issued,
-                "consumed": list(self.consumed),
-                "discarded": {p.id: sorted(p.discarded) for p in self.pending if p.discarded},
-            }
-
-    def load_state(self, state: dict[str, object]) -> None:
-        """Rebuild the pending groups: issued and not consumed, plus any issued after the
-        checkpoint (found in the store), in issue order."""
-        issued = int(state.get("issued", 0))  # type: ignore[call-overload]
-        consumed = {int(i) for i in state.get("consumed", [])}  # type: ignore[attr-defined]
-        discarded: dict[str, list[str]] = state.get("discarded", {})  # type: ignore[assignment]
-        while self.store.rollouts(group_id=self.group_id(issued, self.order.task(issued))):
-            issued += 1
-        with self._lock:
-            self.issued, self.consumed = issued, sorted(consumed)
-            self.pending = []
-            for k in range(issued):
-                if k in consumed:
-                    continue
-                task = self.order.task(k)
-                gid = self.group_id(k, task)
-                self.pending.append(_Pending(k, gid, task, set(discarded.get(gid, []))))
-
-    def utilisation(self) -> float:
-        """Share of runner slots busy since start (1.0 = every slot always running)."""
-        wall = time.perf_counter() - self.started_at
-        return self.runner.busy_s / max(wall * self.runner.cfg.concurrency, 1e-9)
-
-
-def is_trainable(rollout: Rollout) -> bool:
-    """Rollouts with an outcome to learn from (timed-out or lost ones have none)."""
-    return rollout.status in (RolloutStatus.succeeded, RolloutStatus.failed)
+    def close(self) -> None:
+        pass

@@ -1,0 +1,124 @@
+"""One training step as the pipeline runs it: what it reads from the store, what it
+records, and how it counts success."""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tracerl.algorithms.advantages import GRPO
+from tracerl.algorithms.config import CurationConfig
+from tracerl.algorithms.curation import Curation
+from tracerl.pipeline.async_source import AsyncSource
+from tracerl.pipeline.checkpoints import Checkpoints, read_ledger
+from tracerl.pipeline.config import PipelineConfig
+from tracerl.pipeline.sources import RolloutSource, SyncSource, TaskOrder
+from tracerl.pipeline.step import Pipeline, Policy
+from tracerl.store import Store
+from tracerl.trainer.config import TrainerConfig
+from tracerl.trainer.trainer import Trainer
+
+from .test_async import SLOW, Stack, _tasks
+
+
+class CountingStore:
+    """The store, counting span reads per rollout id."""
+
+    def __init__(self, store: Store) -> None:
+        self._store = store
+        self.span_reads: Counter[str] = Counter()
+
+    def spans(self, rollout_id: str, attempt: int | None = None) -> list[Any]:
+        self.span_reads[rollout_id] += 1
+        return self._store.spans(rollout_id, attempt)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._store, name)
+
+
+@pytest.fixture
+def stack(tiny_model_dir: Path, tmp_path: Path) -> Iterator[Stack]:
+    s = Stack(tiny_model_dir, tmp_path / "traces.db")
+    yield s
+    s.close()
+    SLOW.clear()
+
+
+def _pipeline(
+    stack: Stack,
+    store: Any,
+    model: Path,
+    run: Path,
+    mode: str,
+    curation: Curation,
+    checkpoint_every: int = 1,
+    success_threshold: float = 1.0,
+) -> Pipeline:
+    trainer = Trainer(model, TrainerConfig(bf16=False))
+    order = TaskOrder(_tasks(16), per_step=4, seed=0)
+    source: RolloutSource
+    if mode == "sync":
+        source = SyncSource("run", store, stack.agents(), order, curation)
+    else:
+        source = AsyncSource("run", store, stack.agents(), order, curation, lambda: trainer.version)
+    cfg = PipelineConfig(
+        steps=10, tasks_per_step=4, group_size=2, checkpoint_every=checkpoint_every
+    )
+    policy = Policy("policy", trainer, stack.engine, ["policy"])
+    return Pipeline(
+        source, store, [policy], GRPO(), curation, Checkpoints(run, keep=2), cfg, success_threshold
+    )
+
+
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_a_step_reads_each_finished_rollouts_spans_once(
+    stack: Stack, tiny_model_dir: Path, tmp_path: Path, mode: str
+) -> None:
+    # Staleness (async), rows, replay and the conditional advantage all use the spans.
+    cfg = CurationConfig(replay=True, conditional_coef=0.5)
+    counting = CountingStore(stack.store)
+    pipeline = _pipeline(
+        stack, counting, tiny_model_dir, tmp_path, mode, Curation.build(cfg, 2, 1.0)
+    )
+    try:
+        report = pipeline.run_step()
+    finally:
+        pipeline.source.close()
+    trained = read_ledger(tmp_path)
+    assert report.rows > 0 and len(trained) == 8
+    assert all(counting.span_reads[rid] == 1 for rid in trained)
+    assert max(counting.span_reads.values()) == 1  # nothing read twice, trained or not
+
+
+def test_success_follows_the_runs_threshold(
+    stack: Stack, tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    """Regression: success was `reward >= 1.0` in the pipeline whatever was configured."""
+    pipeline = _pipeline(
+        stack, stack.store, tiny_model_dir, tmp_path, "sync", Curation([], 2),
+        success_threshold=1.5,
+    )  # fmt: skip
+    report = pipeline.run_step()
+    assert report.reward == 1.0 and report.success == 0.0
+
+
+def test_policy_versions_point_only_at_written_checkpoints(
+    stack: Stack, tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    """Regression: a version's path was recorded before its checkpoint existed, and also
+    for steps never checkpointed."""
+    pipeline = _pipeline(
+        stack, stack.store, tiny_model_dir, tmp_path, "sync", Curation([], 2),
+        checkpoint_every=2,
+    )  # fmt: skip
+    pipeline.run_step()
+    first = stack.store.latest_version()
+    assert first is not None and first.version == 1 and first.path == ""
+    pipeline.run_step()
+    second = stack.store.latest_version()
+    assert second is not None and second.version == 2
+    assert Path(second.path).is_dir() and (Path(second.path) / "config.json").exists()
