@@ -30,7 +30,8 @@ from tracerl.types import Transition
 __all__ = ["Gradients", "forward_logprobs", "loss_and_grads", "model_logits"]
 
 Stage = Callable[[str], None]
-"""Called after each stage of a micro-batch ('forward', 'logprobs', 'loss', 'backward')."""
+"""Called at the end of each stage: 'pack' once, then 'forward', 'logprobs', 'loss' and
+'backward' per micro-batch (bench/mfu.py times them; the default does nothing)."""
 Reference = Callable[[MicroBatch], Tensor | None]
 """Log-probs [B, T] of a micro-batch under the KL reference policy, or None (no KL term)."""
 
@@ -92,6 +93,7 @@ def loss_and_grads(
     # micro-batches gives the same update as one big batch.
     agg = cfg.loss.aggregation
     denom = sum(float(loss_weights(mb.loss_mask_BT, mb.weight_BT, agg).sum()) for mb in batches)
+    stage("pack")
     total, metrics, tokens = 0.0, [], 0
     logp_rows: list[Tensor] = [torch.empty(0)] * len(rows)
     for mb in batches:
