@@ -6,7 +6,9 @@ weights, and minimises the PPO-clip surrogate with an importance-sampling correc
 sampled tokens or only the high-entropy ones (tracerl.trainer.loss). Full fine-tuning or LoRA
 (peft); AdamW, gradient clipping, a warmup + constant/cosine schedule; bf16 autocast on CPUs
 that have it. The trainer never looks at rewards or groups: advantages and weights arrive
-written on the rows.
+written on the rows. Each optimizer step is `loss_and_grads` (tracerl.trainer.gradients: the
+one implementation of a step's loss and backward, which the benches run too) followed by
+`apply_gradients`; this module owns the optimizer, the schedule, the proximal pass and LoRA.
 """
 
 from __future__ import annotations
