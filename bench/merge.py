@@ -21,17 +21,17 @@ Measures
 - step_time_ratio: wall time of `Trainer.train` per-span / merged (fresh Trainer from the
   same weights each time, bf16 off as for the losses, one warm-up step per form first; the
   forms alternate and the median of the pairs' ratios is kept, since the machine is shared).
-- max_rel_loss_diff: the loss of the two forms, from `Trainer.train` and from a direct
-  computation, relative to the merged loss. At the first step the PPO ratio is 1 and
+- max_rel_loss_diff: the loss of the two forms, from `Trainer.train` and from
+  `loss_and_grads`, relative to the merged loss. At the first step the PPO ratio is 1 and
   GRPO's advantages sum to zero over each group, so the loss is a small sum of cancelling
   terms (~1e-3) and its relative difference is the strictest of the three checks.
-- max_rel_grad_diff: gradients are computed directly, mirroring `Trainer._optimizer_step`
-  (pack, token_logprobs, policy_loss with one denominator over all micro-batches, backward)
-  but stopping before clip/AdamW, which would hide differences (Adam's first step is about
-  lr * sign(g)). Reported as the largest over parameter tensors of |g_span - g_merged| /
-  |g_merged| (L2 norms), and the same over the whole flattened gradient. Both are repeated
-  with float64 weights (`*_fp64`): what remains at fp32 is rounding from different matmul
-  shapes, not a difference in what is computed.
+- max_rel_grad_diff: gradients from the trainer's own `loss_and_grads` (what
+  `Trainer.train` runs for each optimizer step: pack, token_logprobs, policy_loss with one
+  denominator over all micro-batches, backward), taken before clip/AdamW, which would hide
+  differences (Adam's first step is about lr * sign(g)). Reported as the largest over
+  parameter tensors of |g_span - g_merged| / |g_merged| (L2 norms), and the same over the
+  whole flattened gradient. Both are repeated with float64 weights (`*_fp64`): what remains
+  at fp32 is rounding from different matmul shapes, not a difference in what is computed.
 The last line printed is one JSON object (MergeReport).
 
     .venv/bin/python bench/merge.py [--rollouts 64 --group-size 8 --reps 3 --threads 2]
@@ -71,8 +71,7 @@ from tracerl.gateway.chat import (
 )
 from tracerl.gateway.tito import History, PromptBuilder, Turn
 from tracerl.models import TinyModelConfig, build_tiny_model, format_tool_call, render_chat
-from tracerl.trainer.loss import loss_weights, policy_loss, token_logprobs
-from tracerl.trainer.packing import pack
+from tracerl.trainer.gradients import loss_and_grads
 from tracerl.trainer.trainer import Trainer, TrainerConfig
 from tracerl.types import Span, Transition
 
@@ -118,7 +117,7 @@ class MergeReport(BaseModel):
     step_time_ratio: float
     """Median over alternating pairs of Trainer.train wall time, per-span / merged."""
     max_rel_loss_diff: float
-    """Largest |loss_span - loss_merged| / |loss_merged| (trainer and direct)."""
+    """Largest |loss_span - loss_merged| / |loss_merged| (Trainer.train and loss_and_grads)."""
     max_rel_grad_diff: float
     """Largest per-tensor |g_span - g_merged| / |g_merged|."""
     global_rel_grad_diff: float
@@ -130,9 +129,9 @@ class MergeReport(BaseModel):
     max_abs_logp_diff: float
     """Largest difference of a sampled token's log-prob between the two forms."""
     loss_merged: float
-    """Loss of the merged form (direct computation)."""
+    """Loss of the merged form (`loss_and_grads`)."""
     loss_per_span: float
-    """Loss of the per-span form (direct computation)."""
+    """Loss of the per-span form (`loss_and_grads`)."""
     merged_tokens: int
     """Tokens in the merged rows."""
     per_span_tokens: int
@@ -357,39 +356,23 @@ def sampled_view(rows: list[Transition]) -> dict[str, list[tuple[int, float, flo
 # ---------------------------------------------------------------- loss, gradients, time
 
 
-def loss_and_grads(
+def grads_of(
     model: PreTrainedModel, rows: list[Transition], cfg: TrainerConfig
 ) -> tuple[float, list[torch.Tensor], dict[str, list[float]]]:
     """The trainer's single-step loss and its gradients, without the optimizer step.
 
-    Mirrors Trainer._optimizer_step (proximal = current weights, one denominator over all
-    micro-batches). Also returns each row's sampled-token log-probs, keyed by span id.
+    `loss_and_grads` is what Trainer.train runs for each optimizer step (proximal = current
+    weights, one denominator over all micro-batches); clipping and AdamW come after it.
+    Also returns each row's sampled-token log-probs, keyed by its span ids.
     """
     model.zero_grad(set_to_none=True)
-    batches = pack(rows, cfg.micro_batch_tokens)
-    agg = cfg.loss.aggregation
-    denom = sum(float(loss_weights(mb.loss_mask_BT, mb.weight_BT, agg).sum()) for mb in batches)
-    total, logps = 0.0, {}
-    for mb in batches:
-        logits = model(input_ids=mb.input_ids_BT, attention_mask=mb.attention_mask_BT).logits
-        logp_BT = token_logprobs(logits, mb.input_ids_BT, mb.temperature_B)
-        loss, _ = policy_loss(
-            logp_BT,
-            logp_BT.detach(),
-            mb.behaviour_logp_BT,
-            mb.adv_BT,
-            mb.loss_mask_BT,
-            cfg.loss,
-            mb.weight_BT,
-            denominator=denom,
-        )
-        loss.backward()
-        total += float(loss.detach())
-        for b, i in enumerate(mb.row_indices):
-            keep = mb.loss_mask_BT[b].bool()
-            logps["|".join(rows[i].span_ids)] = logp_BT[b][keep].tolist()
+    out = loss_and_grads(model, rows, cfg)
+    logps = {
+        "|".join(row.span_ids): logp[torch.tensor(row.loss_mask, dtype=torch.bool)].tolist()
+        for row, logp in zip(rows, out.logp_rows, strict=True)
+    }
     grads = [p.grad.detach().clone() for p in model.parameters() if p.grad is not None]
-    return total, grads, logps
+    return out.loss, grads, logps
 
 
 def grad_diffs(ref: list[torch.Tensor], other: list[torch.Tensor]) -> tuple[float, float]:
@@ -462,13 +445,13 @@ def run(cfg: MergeConfig) -> MergeReport:
             raise AssertionError("advantages, weights or behaviour log-probs differ per token")
         tcfg = TrainerConfig(bf16=False, micro_batch_tokens=cfg.micro_batch_tokens)
         model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).train()
-        loss_m, grads_m, logp_m = loss_and_grads(model, merged, tcfg)
-        loss_s, grads_s, logp_s = loss_and_grads(model, split, tcfg)
+        loss_m, grads_m, logp_m = grads_of(model, merged, tcfg)
+        loss_s, grads_s, logp_s = grads_of(model, split, tcfg)
         max_grad, global_grad = grad_diffs(grads_m, grads_s)
         # The same in float64 weights: what is left of the difference is fp32 rounding.
         model.double()
-        loss_m64, grads_m64, _ = loss_and_grads(model, merged, tcfg)
-        loss_s64, grads_s64, _ = loss_and_grads(model, split, tcfg)
+        loss_m64, grads_m64, _ = grads_of(model, merged, tcfg)
+        loss_s64, grads_s64, _ = grads_of(model, split, tcfg)
         max_grad64, _ = grad_diffs(grads_m64, grads_s64)
         timed = timed_steps(model_dir, merged, split, tcfg, cfg.reps)
     tokens_m = sum(len(r.input_ids) for r in merged)

@@ -22,8 +22,9 @@ N_mm = weights of every Linear, the output head included (a tied head is still a
 (QK^T and AV: 4*d FLOPs per query-key pair and layer forward, x3 for forward+backward,
 n(n+1)/2 pairs). Norms, activations, rotary, softmax and the loss are not counted.
 
-Where the time goes (`breakdown`): one micro-batch timed stage by stage as the trainer runs
-it: forward (autocast), token_logprobs, policy_loss, backward, then clip + AdamW.
+Where the time goes (`breakdown`): one micro-batch timed stage by stage inside the trainer's
+own step (`loss_and_grads` reports the end of each stage): forward (autocast),
+token_logprobs, policy_loss, backward, then `Trainer.apply_gradients` (clip + AdamW).
 Experiments: a 16k-token micro-batch budget (tiny model); one thread instead of two (both
 models), rated against one core's peak.
 `--profile` prints torch.profiler's top operators; `--compile` also times the trainer with
@@ -54,8 +55,8 @@ from transformers.utils import logging as hf_logging
 
 from tracerl import ensure_passive_omp
 from tracerl.models import TinyModelConfig, build_tiny_model, render_chat
-from tracerl.trainer.loss import policy_loss, token_logprobs
-from tracerl.trainer.packing import MicroBatch, pack
+from tracerl.trainer.gradients import loss_and_grads
+from tracerl.trainer.packing import pack
 from tracerl.trainer.trainer import Trainer, TrainerConfig
 from tracerl.types import Transition
 
@@ -326,45 +327,39 @@ def time_trainer(
     )
 
 
-def _stages(trainer: Trainer, mb: MicroBatch) -> list[float]:
-    """Stage wall times of one micro-batch, as Trainer._optimizer_step runs it."""
-    marks = [time.perf_counter()]
-    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=trainer.cfg.bf16):
-        logits = trainer.model(input_ids=mb.input_ids_BT, attention_mask=mb.attention_mask_BT)
-    marks.append(time.perf_counter())
-    logp_BT = token_logprobs(logits.logits, mb.input_ids_BT, mb.temperature_B)
-    marks.append(time.perf_counter())
-    loss, _ = policy_loss(
-        logp_BT,
-        logp_BT.detach(),
-        mb.behaviour_logp_BT,
-        mb.adv_BT,
-        mb.loss_mask_BT,
-        trainer.cfg.loss,
-        mb.weight_BT,
+def _stages(trainer: Trainer, rows: list[Transition]) -> dict[str, float]:
+    """Wall time of each stage of the trainer's own step on `rows`: `loss_and_grads` reports
+    the end of each stage (pack, forward, logprobs, loss, backward), then `apply_gradients`
+    (clip + AdamW); keyed by stage, packing excluded."""
+    marks = [("start", time.perf_counter())]
+    loss_and_grads(
+        trainer.model,
+        rows,
+        trainer.cfg,
+        stage=lambda name: marks.append((name, time.perf_counter())),
     )
-    marks.append(time.perf_counter())
-    loss.backward()
-    marks.append(time.perf_counter())
-    torch.nn.utils.clip_grad_norm_(trainer.model.parameters(), trainer.cfg.grad_clip)
-    trainer.optimizer.step()
-    trainer.optimizer.zero_grad(set_to_none=True)
-    marks.append(time.perf_counter())
-    return [b - a for a, b in zip(marks, marks[1:], strict=False)]
+    trainer.apply_gradients()
+    marks.append(("optimizer", time.perf_counter()))
+    return {b: tb - ta for (_, ta), (b, tb) in zip(marks, marks[1:], strict=False) if b != "pack"}
+
+
+def _first_micro_batch(trainer: Trainer, rows: list[Transition]) -> list[Transition]:
+    """The rows the trainer packs into its first (largest) micro-batch."""
+    mb = pack(rows, trainer.cfg.micro_batch_tokens)[0]
+    return [rows[i] for i in mb.row_indices]
 
 
 def breakdown(trainer: Trainer, rows: list[Transition]) -> Breakdown:
     """Stage times of the first (largest) micro-batch, on an already warm trainer."""
-    mb = pack(rows, trainer.cfg.micro_batch_tokens)[0]
-    fwd, logp, loss, bwd, opt = _stages(trainer, mb)
-    lengths = [int(n) for n in mb.attention_mask_BT.sum(dim=1)]
+    first = _first_micro_batch(trainer, rows)
+    t = _stages(trainer, first)
     return Breakdown(
-        forward_s=fwd,
-        logprobs_s=logp,
-        loss_s=loss,
-        backward_s=bwd,
-        optimizer_s=opt,
-        model_gflop=step_flops(trainer.model, lengths) / 1e9,
+        forward_s=t["forward"],
+        logprobs_s=t["logprobs"],
+        loss_s=t["loss"],
+        backward_s=t["backward"],
+        optimizer_s=t["optimizer"],
+        model_gflop=step_flops(trainer.model, [len(r.input_ids) for r in first]) / 1e9,
     )
 
 
@@ -372,9 +367,9 @@ def print_profile(trainer: Trainer, rows: list[Transition]) -> None:
     """torch.profiler's top operators by self CPU time for one micro-batch."""
     from torch.profiler import ProfilerActivity, profile
 
-    mb = pack(rows, trainer.cfg.micro_batch_tokens)[0]
+    first = _first_micro_batch(trainer, rows)
     with profile(activities=[ProfilerActivity.CPU]) as prof:
-        _stages(trainer, mb)
+        _stages(trainer, first)
     print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=15))
 
 

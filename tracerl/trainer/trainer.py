@@ -6,7 +6,9 @@ weights, and minimises the PPO-clip surrogate with an importance-sampling correc
 sampled tokens or only the high-entropy ones (tracerl.trainer.loss). Full fine-tuning or LoRA
 (peft); AdamW, gradient clipping, a warmup + constant/cosine schedule; bf16 autocast on CPUs
 that have it. The trainer never looks at rewards or groups: advantages and weights arrive
-written on the rows.
+written on the rows. Each optimizer step is `loss_and_grads` (tracerl.trainer.gradients: the
+one implementation of a step's loss and backward, which the benches run too) followed by
+`apply_gradients`; this module owns the optimizer, the schedule, the proximal pass and LoRA.
 """
 
 from __future__ import annotations
@@ -23,13 +25,8 @@ from pydantic import BaseModel
 from transformers import AutoModelForCausalLM, PreTrainedModel
 
 from tracerl.trainer.config import LoraSettings, TrainerConfig
-from tracerl.trainer.loss import (
-    LossMetrics,
-    loss_weights,
-    policy_loss,
-    token_entropy,
-    token_logprobs,
-)
+from tracerl.trainer.gradients import forward_logprobs, loss_and_grads
+from tracerl.trainer.loss import LossMetrics
 from tracerl.trainer.packing import MicroBatch, pack
 from tracerl.types import Transition
 
@@ -145,71 +142,34 @@ class Trainer:
         return self.cfg.minibatches == 1 and self.cfg.epochs == 1
 
     @torch.no_grad()
-    def _proximal(self, rows: list[Transition]) -> dict[int, torch.Tensor]:
-        """Log-probs of every row under the weights before the update, keyed by row index."""
-        out: dict[int, torch.Tensor] = {}
+    def _proximal(self, rows: list[Transition]) -> list[torch.Tensor]:
+        """Log-probs of every row under the weights before the update, in row order."""
+        out = [torch.empty(0)] * len(rows)
         for mb in pack(rows, self.cfg.micro_batch_tokens):
-            logp_BT = self._logprobs(mb)
+            logp_BT = forward_logprobs(self.model, mb, self.cfg.bf16)
             for b, i in enumerate(mb.row_indices):
-                out[i] = logp_BT[b, : len(rows[i].input_ids)].detach()
+                out[i] = logp_BT[b, : len(rows[i].input_ids)]
         return out
 
-    def _logprobs(self, mb: MicroBatch, model: torch.nn.Module | None = None) -> torch.Tensor:
-        return self._forward(mb, model)[0]
-
-    def _forward(
-        self, mb: MicroBatch, model: torch.nn.Module | None = None, entropy: bool = False
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Token log-probs and, when asked, token entropies (detached) from one forward."""
-        with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.cfg.bf16):
-            logits = (model or self.model)(
-                input_ids=mb.input_ids_BT.to(self.device),
-                attention_mask=mb.attention_mask_BT.to(self.device),
-            ).logits
-        temp_B = mb.temperature_B.to(self.device)
-        logp_BT = token_logprobs(logits, mb.input_ids_BT.to(self.device), temp_B)
-        return logp_BT, token_entropy(logits, temp_B) if entropy else None
-
     def _optimizer_step(
-        self, rows: list[Transition], idx: list[int], proximal: dict[int, torch.Tensor] | None
+        self, rows: list[Transition], idx: list[int], proximal: list[torch.Tensor] | None
     ) -> tuple[float, float, list[LossMetrics], int]:
         picked = [rows[i] for i in idx]
-        batches = pack(picked, self.cfg.micro_batch_tokens)
-        # One denominator for the whole optimizer step, so accumulating gradients over
-        # micro-batches gives the same update as one big batch.
-        denom = sum(
-            float(loss_weights(mb.loss_mask_BT, mb.weight_BT, self.cfg.loss.aggregation).sum())
-            for mb in batches
+        prox = None if proximal is None else [proximal[i] for i in idx]
+        out = loss_and_grads(
+            self.model, picked, self.cfg, proximal=prox, reference=self._reference_logprobs
         )
-        total, metrics, tokens = 0.0, [], 0
-        # Entropies cost a second pass over the logits: only when the selection needs them.
-        with_entropy = self.cfg.loss.entropy_top_q is not None
-        for mb in batches:
-            logp_BT, entropy_BT = self._forward(mb, entropy=with_entropy)
-            prox_BT = logp_BT.detach() if proximal is None else _gather(proximal, idx, mb, logp_BT)
-            ref_BT = self._reference_logprobs(mb)
-            loss, m = policy_loss(
-                logp_BT,
-                prox_BT,
-                mb.behaviour_logp_BT.to(self.device),
-                mb.adv_BT.to(self.device),
-                mb.loss_mask_BT.to(self.device),
-                self.cfg.loss,
-                mb.weight_BT.to(self.device),
-                ref_BT,
-                denominator=denom,
-                entropy_BT=entropy_BT,
-            )
-            loss.backward()
-            total += float(loss.detach())
-            metrics.append(m)
-            tokens += int(mb.attention_mask_BT.sum())
+        return out.loss, self.apply_gradients(), out.metrics, out.tokens
+
+    def apply_gradients(self) -> float:
+        """Clip the accumulated gradients, step the optimizer and the schedule, zero the
+        gradients; returns the pre-clip gradient norm."""
         params = [p for p in self.model.parameters() if p.requires_grad]
         norm = float(torch.nn.utils.clip_grad_norm_(params, self.cfg.grad_clip))
         self.optimizer.step()
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
-        return total, norm, metrics, tokens
+        return norm
 
     @torch.no_grad()
     def _reference_logprobs(self, mb: MicroBatch) -> torch.Tensor | None:
@@ -217,8 +177,8 @@ class Trainer:
             return None
         if self.cfg.lora is not None:  # the base model is the adapter-free model
             with self.model.disable_adapter():  # type: ignore[operator]
-                return self._logprobs(mb)
-        return self._logprobs(mb, self._reference)
+                return forward_logprobs(self.model, mb, self.cfg.bf16)
+        return forward_logprobs(self._reference, mb, self.cfg.bf16)
 
     def engine_state_dict(self) -> dict[str, torch.Tensor]:
         """Full weights for the engine (LoRA merged in), detached copies."""
@@ -267,16 +227,6 @@ class Trainer:
         self.version = int(state["version"])
         self._rng.setstate(state["rng"])
         torch.set_rng_state(state["torch_rng"])
-
-
-def _gather(
-    proximal: dict[int, torch.Tensor], idx: list[int], mb: MicroBatch, like_BT: torch.Tensor
-) -> torch.Tensor:
-    out_BT = torch.zeros_like(like_BT)
-    for b, local in enumerate(mb.row_indices):
-        row = proximal[idx[local]]
-        out_BT[b, : row.shape[0]] = row
-    return out_BT
 
 
 def _reference(model: PreTrainedModel, cfg: TrainerConfig) -> torch.nn.Module:

@@ -1,0 +1,152 @@
+"""One optimizer step's loss and gradients: the part of an update others must not re-derive.
+
+`loss_and_grads` packs rows into micro-batches, recomputes their log-probs under the model's
+current weights, evaluates `policy_loss` with one denominator over all micro-batches and
+back-propagates each, so the accumulated gradients equal those of one big batch. `Trainer`
+calls it for every optimizer step, then clips and steps; the benches (bench/merge.py,
+bench/mfu.py) and tests/test_merge_equivalence.py call this same function, so what they
+measure is what trains.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import NamedTuple
+
+import torch
+from torch import Tensor
+
+from tracerl.trainer.config import TrainerConfig
+from tracerl.trainer.loss import (
+    LossMetrics,
+    loss_weights,
+    policy_loss,
+    token_entropy,
+    token_logprobs,
+)
+from tracerl.trainer.packing import MicroBatch, pack
+from tracerl.types import Transition
+
+__all__ = ["Gradients", "forward_logprobs", "loss_and_grads", "model_logits"]
+
+Stage = Callable[[str], None]
+"""Called at the end of each stage: 'pack' once, then 'forward', 'logprobs', 'loss' and
+'backward' per micro-batch (bench/mfu.py times them; the default does nothing)."""
+Reference = Callable[[MicroBatch], Tensor | None]
+"""Log-probs [B, T] of a micro-batch under the KL reference policy, or None (no KL term)."""
+
+
+class Gradients(NamedTuple):
+    """What `loss_and_grads` computed; the gradients themselves are in the parameters' .grad."""
+
+    loss: float
+    """The step's loss (micro-batch losses share one denominator, so they add up)."""
+    metrics: list[LossMetrics]
+    """One per micro-batch."""
+    tokens: int
+    """Tokens forwarded, padding excluded."""
+    logp_rows: list[Tensor]
+    """Each row's log-probs under the weights used ([T_row], detached), in row order."""
+
+
+def _untimed(stage: str) -> None:
+    """The default stage hook: nothing is measured."""
+
+
+def _no_reference(mb: MicroBatch) -> None:
+    """The default reference: the KL term is off."""
+
+
+def model_logits(model: torch.nn.Module, mb: MicroBatch, bf16: bool) -> Tensor:
+    """logits_BTV of a micro-batch, under bf16 autocast when asked (on the model's device)."""
+    device = next(model.parameters()).device
+    with torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16):
+        return model(
+            input_ids=mb.input_ids_BT.to(device), attention_mask=mb.attention_mask_BT.to(device)
+        ).logits
+
+
+def forward_logprobs(model: torch.nn.Module, mb: MicroBatch, bf16: bool) -> Tensor:
+    """logp_BT of every token of a micro-batch given the ones before it (`token_logprobs`)."""
+    logits_BTV = model_logits(model, mb, bf16)
+    ids_BT = mb.input_ids_BT.to(logits_BTV.device)
+    return token_logprobs(logits_BTV, ids_BT, mb.temperature_B.to(logits_BTV.device))
+
+
+def loss_and_grads(
+    model: torch.nn.Module,
+    rows: list[Transition],
+    cfg: TrainerConfig,
+    *,
+    proximal: list[Tensor] | None = None,
+    reference: Reference = _no_reference,
+    stage: Stage = _untimed,
+) -> Gradients:
+    """The loss of `rows` under `model` and its backward pass; gradients add to .grad.
+
+    proximal: each row's log-probs before the update ([T_row], detached); None when the
+    model's weights are still those (one optimizer step per batch): then the forward pass
+    of this step gives them. The caller zeroes .grad before and steps the optimizer after.
+    """
+    batches = pack(rows, cfg.micro_batch_tokens)
+    # One denominator for the whole optimizer step, so accumulating gradients over
+    # micro-batches gives the same update as one big batch.
+    agg = cfg.loss.aggregation
+    denom = sum(float(loss_weights(mb.loss_mask_BT, mb.weight_BT, agg).sum()) for mb in batches)
+    stage("pack")
+    total, metrics, tokens = 0.0, [], 0
+    logp_rows: list[Tensor] = [torch.empty(0)] * len(rows)
+    for mb in batches:
+        loss, m, logp_BT = _micro_batch(model, mb, cfg, denom, proximal, reference, stage)
+        total += loss
+        metrics.append(m)
+        tokens += int(mb.attention_mask_BT.sum())
+        for b, i in enumerate(mb.row_indices):
+            logp_rows[i] = logp_BT[b, : len(rows[i].input_ids)]
+    return Gradients(total, metrics, tokens, logp_rows)
+
+
+def _micro_batch(
+    model: torch.nn.Module,
+    mb: MicroBatch,
+    cfg: TrainerConfig,
+    denom: float,
+    proximal: list[Tensor] | None,
+    reference: Reference,
+    stage: Stage,
+) -> tuple[float, LossMetrics, Tensor]:
+    """Forward, loss and backward of one micro-batch; returns (loss, metrics, logp_BT)."""
+    logits_BTV = model_logits(model, mb, cfg.bf16)
+    stage("forward")
+    device = logits_BTV.device
+    temp_B = mb.temperature_B.to(device)
+    logp_BT = token_logprobs(logits_BTV, mb.input_ids_BT.to(device), temp_B)
+    # Entropies cost a second pass over the logits: only when the selection needs them.
+    with_entropy = cfg.loss.entropy_top_q is not None
+    entropy_BT = token_entropy(logits_BTV, temp_B) if with_entropy else None
+    stage("logprobs")
+    prox_BT = logp_BT.detach() if proximal is None else _gather(proximal, mb, logp_BT)
+    loss, metrics = policy_loss(
+        logp_BT,
+        prox_BT,
+        mb.behaviour_logp_BT.to(device),
+        mb.adv_BT.to(device),
+        mb.loss_mask_BT.to(device),
+        cfg.loss,
+        mb.weight_BT.to(device),
+        reference(mb),
+        denominator=denom,
+        entropy_BT=entropy_BT,
+    )
+    stage("loss")
+    loss.backward()
+    stage("backward")
+    return float(loss.detach()), metrics, logp_BT.detach()
+
+
+def _gather(proximal: list[Tensor], mb: MicroBatch, like_BT: Tensor) -> Tensor:
+    """The micro-batch's rows of `proximal`, right-padded with 0 like like_BT."""
+    out_BT = torch.zeros_like(like_BT)
+    for b, i in enumerate(mb.row_indices):
+        out_BT[b, : proximal[i].shape[0]] = proximal[i]
+    return out_BT
