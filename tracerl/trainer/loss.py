@@ -285,32 +285,31 @@ def _metrics(
     hi = (ratio > 1.0 + cfg.clip_high) & (adv > 0)
     lo = (ratio < 1.0 - cfg.clip_low) & (adv < 0)
     zero = torch.zeros((), device=m.device)
-    # One stack and one .tolist(): a single device sync for all metrics.
-    vals = torch.stack(
-        [
-            loss.detach().float(),
-            mean(hi | lo),
-            mean(is_ratio),
-            torch.where(m_BT, is_ratio, 0.0).max() if m_BT.any() else zero,
-            mean(capped),
-            mean(_k3(log_r_cur_beh)),
-            mean(ref_kl) if ref_kl is not None else zero,
-            mean(entropy_BT) if entropy_BT is not None else zero,
-            m.sum(),
-            mean(masked),
-            mean(kept),
-        ]
-    ).tolist()
+    # One stack and one .tolist(): a single device sync for all metrics, unpacked by name.
+    named = {
+        "loss": loss.detach().float(),
+        "clip_fraction": mean(hi | lo),
+        "tis_ratio_mean": mean(is_ratio),
+        "tis_ratio_max": torch.where(m_BT, is_ratio, 0.0).max() if m_BT.any() else zero,
+        "tis_capped_fraction": mean(capped),
+        "approx_kl": mean(_k3(log_r_cur_beh)),
+        "ref_kl": mean(ref_kl) if ref_kl is not None else zero,
+        "entropy": mean(entropy_BT) if entropy_BT is not None else zero,
+        "num_tokens": m.sum(),
+        "is_masked_fraction": mean(masked),
+        "entropy_kept_fraction": mean(kept),
+    }
+    v = dict(zip(named, torch.stack(list(named.values())).tolist(), strict=True))
     return LossMetrics(
-        loss=vals[0],
-        num_tokens=int(vals[8]),
-        clip_fraction=vals[1],
-        tis_ratio_mean=vals[2],
-        tis_ratio_max=vals[3],
-        tis_capped_fraction=vals[4],
-        is_masked_fraction=vals[9],
-        entropy_kept_fraction=vals[10] if vals[8] else 1.0,
-        approx_kl=vals[5],
-        ref_kl=vals[6] if ref_kl is not None else None,
-        entropy=vals[7] if entropy_BT is not None else None,
+        loss=v["loss"],
+        num_tokens=int(v["num_tokens"]),
+        clip_fraction=v["clip_fraction"],
+        tis_ratio_mean=v["tis_ratio_mean"],
+        tis_ratio_max=v["tis_ratio_max"],
+        tis_capped_fraction=v["tis_capped_fraction"],
+        is_masked_fraction=v["is_masked_fraction"],
+        entropy_kept_fraction=v["entropy_kept_fraction"] if v["num_tokens"] else 1.0,
+        approx_kl=v["approx_kl"],
+        ref_kl=v["ref_kl"] if ref_kl is not None else None,
+        entropy=v["entropy"] if entropy_BT is not None else None,
     )
