@@ -22,6 +22,10 @@ from tracerl.store.sqlite import SqliteStore
 
 def make_engine(model_dir: str | Path, cfg: EngineConfig, version: int = 0) -> Engine:
     """Build the configured engine for a local model directory."""
+    if cfg.kind == "vllm":
+        from tracerl.engines.vllm import VLLMEngine
+
+        return VLLMEngine(model_dir, cfg, policy_version=version)
     from tracerl.engines.hf import HFEngine
 
     return HFEngine(
