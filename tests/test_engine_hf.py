@@ -157,7 +157,12 @@ MIXED = [
 
 def test_engines_satisfy_the_protocol(engine: HFEngine, tokenizer: PreTrainedTokenizerFast) -> None:
     assert isinstance(engine, Engine)
-    assert isinstance(StubEngine(), Engine)
+    assert isinstance(StubEngine(tokenizer=tokenizer), Engine)
+    # The weight-sync seam is load_state_dict; a path loader is no part of the protocol.
+    assert hasattr(Engine, "load_state_dict") and not hasattr(Engine, "load_weights")
+    assert engine.tokenizer.eos_token_id == tokenizer.eos_token_id
+    with pytest.raises(AttributeError, match="without a tokenizer"):
+        _ = StubEngine().tokenizer
     assert engine.eos_token_ids == [tokenizer.eos_token_id]
     assert engine.max_context == 128
 
@@ -375,5 +380,5 @@ def test_stub_engine_answers_fixed_ids() -> None:
     assert (gen.finish_reason, gen.policy_version) == ("stop", 2)
     short = asyncio.run(stub.generate([1], SamplingParams(max_tokens=2)))
     assert (short.completion_ids, short.finish_reason) == ([7, 8], "length")
-    stub.load_weights("unused", 3)
+    stub.load_state_dict({}, 3)
     assert asyncio.run(stub.generate([1], SamplingParams())).policy_version == 3

@@ -115,3 +115,71 @@ def test_client_raises_store_errors(served: tuple[httpx.Client, SqliteStore, str
     with pytest.raises(StoreError, match="HTTP 404"):
         offline.counts()
     offline.close()
+
+
+HUGE = 90562371220467374620672  # past SQLite's 64-bit INTEGER
+
+
+@pytest.mark.parametrize(
+    "path, params",
+    [
+        ("/store/rollouts/x/rewards", {"attempt": HUGE}),
+        ("/store/rollouts/x/spans", {"attempt": 2**63}),
+        ("/store/rollouts/x/spans", {"attempt": 2**31}),
+        ("/store/rollouts/x/spans", {"attempt": -1}),
+        ("/store/rollouts", {"limit": HUGE}),
+        ("/store/rollouts", {"limit": 100_001}),
+        ("/store/rollouts", {"limit": 0}),
+    ],
+)
+def test_out_of_range_query_integers_are_422(
+    http: httpx.Client, path: str, params: dict[str, int]
+) -> None:
+    (name,) = params
+    message = assert_error(http.get(path, params=params), 422, "invalid_request_error")
+    assert name in message
+
+
+def _span_body(**changes: object) -> dict[str, object]:
+    span = {
+        "id": "s", "rollout_id": "x", "attempt": 1, "seq": 0, "role": "policy",
+        "policy_version": 0, "prompt_ids": [1, 2], "completion_ids": [3], "logprobs": [-0.5],
+        "messages": [], "response": {}, "finish_reason": "stop", "temperature": 1.0,
+        "latency_s": 0.0,
+    }  # fmt: skip
+    return span | changes
+
+
+@pytest.mark.parametrize(
+    "path, body, field",
+    [
+        ("/store/rollouts/x/heartbeat", {"attempt": HUGE}, "attempt"),
+        ("/store/rollouts/x/finish", {"attempt": 2**63, "status": "failed"}, "attempt"),
+        ("/store/rollouts", {"task_ids": ["t0"], "max_attempts": 2**63}, "max_attempts"),
+        ("/store/rewards", {"rollout_id": "x", "attempt": 2**40, "value": 1.0}, "attempt"),
+        (
+            "/store/rewards",
+            {"rollout_id": "x", "attempt": 1, "value": 1, "span_seq": HUGE},
+            "span_seq",
+        ),
+        ("/store/spans", [_span_body(seq=2**63)], "seq"),
+        ("/store/spans", [_span_body(prompt_ids=[1, 2**40])], "prompt_ids"),
+        ("/store/spans", [_span_body(messages=[{"role": "user", "n": HUGE}])], "messages"),
+        ("/store/tasks", [{"id": "big", "input": {"q": HUGE}}], "input"),
+        ("/store/versions", {"role": "policy", "version": 2**63, "path": "p"}, "version"),
+    ],
+)
+def test_out_of_range_body_integers_are_422(
+    http: httpx.Client, path: str, body: object, field: str
+) -> None:
+    assert field in assert_error(http.post(path, json=body), 422, "invalid_request_error")
+
+
+def test_large_integers_within_bounds_are_served(http: httpx.Client) -> None:
+    # A task's own numbers are payload: 64 bits are fine.
+    task = {"id": "big-answer", "input": {"q": 10**15}, "answer": -(2**62)}
+    assert http.post("/store/tasks", json=[task]).status_code == 204
+    assert http.get("/store/tasks/big-answer").json()["answer"] == -(2**62)
+    last = {"attempt": 2**31 - 1}
+    assert http.get("/store/rollouts/nope/spans", params=last).json() == []
+    assert http.get("/store/rollouts", params={"limit": 100_000}).status_code == 200

@@ -32,10 +32,14 @@ class BackgroundServer:
     thread: threading.Thread
     url: str
 
-    def stop(self) -> None:
-        """Ask the server to exit and wait for it."""
+    def stop(self, grace_s: float = 10.0) -> None:
+        """Stop accepting requests, let those in flight finish for up to `grace_s`, then
+        cut them, and wait for the thread. Calling it again does nothing more."""
         self.server.should_exit = True
-        self.thread.join(timeout=10)
+        self.thread.join(timeout=grace_s)
+        if self.thread.is_alive():  # a request still running: close its connection
+            self.server.force_exit = True
+            self.thread.join(timeout=5)
 
 
 def serve_in_thread(app: FastAPI, host: str = "127.0.0.1", port: int = 0) -> BackgroundServer:

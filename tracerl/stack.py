@@ -1,16 +1,50 @@
-"""One process holding the store, the engine and the gateway, serving HTTP on loopback.
+"""One process holding the store, the engines and the gateway, serving HTTP on loopback.
 
-This is the laptop shape: `tracerl demo`, `eval`, `serve` and the tests build it; runners
-in the same process or elsewhere reach it over HTTP. On a GPU machine the engine's device
-changes (`device = "cuda"`) and nothing else does.
+This is the laptop shape: `tracerl demo`, `train`, `eval`, `serve` and the tests build it;
+runners in the same process or elsewhere reach it over HTTP. On a GPU machine the engine's
+device changes (`device = "cuda"`) and nothing else does.
+
+Threads and event loops of one training process (`tracerl train`, pipeline/run.py): each
+thread, its owner, and what runs on it.
+
+- main (owner: pipeline/run.py `train`): builds this stack, then the training loop:
+  `source.batch`, `Trainer.train`, `publish` (`Engine.load_state_dict`,
+  `store.publish_version`), checkpoints, metrics. In sync mode and for held-out
+  evaluations it also runs the runner's event loop: one `asyncio.run(runner.run(...))`
+  per batch (SyncSource) or evaluation (evaluate.run_rollouts).
+- `tracerl-http` (owner: this stack, `server`): uvicorn and the gateway's event loop, which
+  serves the OpenAI routes, `/rollouts/<id>/reward`, `/health` and the `/store` API.
+  Nothing blocks it: it awaits the three kinds of thread below.
+- `tracerl-tokenize`, one thread (owner: `gateway`): chat templates and tokenizing. One,
+  so a tokenizer is never used by two threads at once.
+- `tracerl-store`, four threads (owner: `gateway.store_executor`): the gateway's store
+  calls (rollout lookups, span and reward writes) and the `/store` API's.
+- `hf-engine`, one per policy (owner: `engines`): the model; prefill, decode steps, and
+  weight swaps between steps. Answers reach the gateway's loop by call_soon_threadsafe.
+- AsyncSource's thread (owner: pipeline/sources.py, async mode only): its own event loop
+  runs `runner.run(until_idle=False)` until `close`, and issues groups.
+- the runner loop's default executor (owner: that loop, via asyncio.to_thread): the
+  runner's store calls (claim, get_task, heartbeat, finish, rewards), the reward function.
+- the agent pool, `ThreadPoolExecutor(runner.concurrency)` (owner: pipeline/run.py
+  `train`): synchronous agent functions; their model calls reach `tracerl-http` over
+  loopback. Async agents run on the runner's loop.
+
+The store (SqliteStore) is called from the main, store, source and runner-executor threads
+at once; it serialises them on its one connection (see tracerl/store/sqlite.py).
+
+Shutdown, in this order: the source (AsyncSource.close stops its loop and thread; running
+rollouts are left to their leases) and the runner, by the pipeline's owner; the agent pool;
+then `LocalStack.close`, which stops the HTTP server (no request reaches the gateway any
+more; requests in flight get a few seconds to finish), the gateway's tokenizer and store
+threads, the engines (requests still waiting fail), and last the store, which every thread
+above may have been using. `close` is idempotent.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from contextlib import ExitStack
+from dataclasses import dataclass, field
 from pathlib import Path
-
-from transformers import AutoTokenizer
 
 from tracerl.engines.base import Engine
 from tracerl.engines.config import EngineConfig
@@ -46,9 +80,14 @@ class LocalStack:
     """
 
     store: SqliteStore
+    """Tasks, rollouts, spans: used by every thread of the process (closed last)."""
     engines: dict[str, Engine]
+    """One engine per policy (a set of weights)."""
     gateway: Gateway
+    """The OpenAI-compatible routes, with its tokenizer and store threads."""
     server: BackgroundServer
+    """The HTTP server thread running the gateway's event loop."""
+    _closed: bool = field(default=False, init=False, repr=False)
 
     @property
     def engine(self) -> Engine:
@@ -61,11 +100,20 @@ class LocalStack:
         return self.server.url
 
     def close(self) -> None:
-        """Stop serving and release the engines and the database."""
-        self.server.stop()
-        for engine in self.engines.values():
-            engine.close()
-        self.store.close()
+        """Stop the HTTP server, then the gateway's threads, the engines, the store.
+
+        Idempotent. Every step runs even if an earlier one raises (the error is raised once
+        all have run), so a failing engine never leaves the database open.
+        """
+        if self._closed:
+            return
+        self._closed = True
+        with ExitStack() as steps:  # callbacks run last-pushed first
+            steps.callback(self.store.close)
+            for engine in reversed(self.engines.values()):
+                steps.callback(engine.close)
+            steps.callback(self.gateway.close)
+            steps.callback(self.server.stop)
 
 
 def start_stack(
@@ -100,9 +148,11 @@ def start_multi_stack(
         raise ValueError(f"roles name policies with no model: {missing}")
     store = SqliteStore(store_path)
     engines = {name: make_engine(path, engine_cfg) for name, path in models.items()}
-    tokenizers = {name: AutoTokenizer.from_pretrained(str(path)) for name, path in models.items()}
+    # The gateway renders each role's prompts with its engine's own tokenizer.
     served = {
-        role: ServedModel(role, engines[policy], tokenizers[policy], engine_cfg.default_max_tokens)
+        role: ServedModel(
+            role, engines[policy], engines[policy].tokenizer, engine_cfg.default_max_tokens
+        )
         for role, policy in roles.items()
     }
     gateway = Gateway(store, served, remote=remote)

@@ -1,21 +1,40 @@
-"""The engine interface: generate from token ids, load a new policy version.
+"""The engine interface: generate from token ids, take a new policy version's weights.
 
-Small on purpose, so that a transformers engine (CPU or GPU) and a vLLM engine both fit
-behind it. The gateway owns tokenization and chat templates; an engine sees only ids. (A
+Small on purpose, so that a transformers engine (CPU or GPU, in process) and a vLLM engine
+(servers reached over HTTP) both fit behind it. The gateway owns chat templates; an engine
+sees only ids, and carries the tokenizer of its model so that the code around it (stop
+strings, saving a trained model) uses exactly the one the weights were trained with. (A
 role served by a remote OpenAI-compatible server speaks text, not ids, so it is no engine:
 the gateway forwards it, see tracerl.gateway.remote.)
+
+`load_state_dict` is the one weight-sync seam. An in-process engine copies the tensors and
+switches between decode steps; a server engine writes them where its servers read weights
+and tells them to reload; a later NCCL or IPC path sends them directly. Callers (the
+pipeline's `publish`) do not change with the path.
+
+This module stays free of torch and transformers at run time: both are named for the type
+checker only.
 """
 
 from __future__ import annotations
 
-from typing import Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 from tracerl.types import Generation, SamplingParams
+
+if TYPE_CHECKING:
+    from torch import Tensor
+    from transformers import PreTrainedTokenizerBase
 
 
 @runtime_checkable
 class Engine(Protocol):
-    """A served policy. Every method is safe to call from the gateway's event loop."""
+    """A served policy.
+
+    Threads: `generate` is awaited on the gateway's event loop and must never block it;
+    `load_state_dict` is called from the trainer's thread while requests are in flight;
+    `close` is called once by the owner of the process assembly (LocalStack.close).
+    """
 
     policy_version: int
     """Version of the weights that new requests are sampled from."""
@@ -24,18 +43,24 @@ class Engine(Protocol):
     eos_token_ids: list[int]
     """Token ids that end a completion."""
 
+    @property
+    def tokenizer(self) -> PreTrainedTokenizerBase:
+        """The tokenizer of the served model (saved beside trained weights)."""
+        ...
+
     async def generate(self, prompt_ids: list[int], params: SamplingParams) -> Generation:
         """Sample one completion; concurrent calls are batched by the engine."""
         ...
 
-    def load_weights(self, path: str, version: int) -> None:
-        """Serve the weights in `path` (an HF model dir) as `version`.
+    def load_state_dict(self, state: dict[str, Tensor], version: int) -> None:
+        """Serve `state` (the model's parameter names -> tensors) as `version`.
 
-        Requests already being generated finish on the old weights and record the old
-        version; the switch happens between generation batches.
+        Returns once the engine holds its own copy, so the caller may keep training the
+        tensors. Requests already being generated finish on the old weights and record the
+        old version; requests after the switch record `version`.
         """
         ...
 
     def close(self) -> None:
-        """Stop background work and free memory."""
+        """Stop background work and free memory; calling it again does nothing."""
         ...

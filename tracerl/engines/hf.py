@@ -7,21 +7,20 @@ together and joined to the running batch between two decode steps, and a row lea
 batch as soon as it finishes. Rows are left-padded; position ids count real tokens only,
 so a padded row computes exactly what it would alone.
 
-New weights (`load_weights`, `load_state_dict`) are staged, admission pauses, the running
-batch drains on the old weights, then the thread switches models. Every completion is
-therefore sampled by one version, which its Generation records.
+New weights (`load_state_dict`, the Engine protocol's weight sync, or `load_weights` from
+a model dir) are staged, admission pauses, the running batch drains on the old weights,
+then the thread switches models. Every completion is therefore sampled by one version,
+which its Generation records. The batch itself, and its cache surgery, live in batch.py.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import copy
 import queue
 import threading
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import cast
+from typing import TYPE_CHECKING, cast
 
 import torch
 import torch.nn.functional as F
@@ -33,10 +32,24 @@ from transformers import (
     PreTrainedModel,
     PreTrainedTokenizerBase,
 )
-from transformers.cache_utils import DynamicLayer
 
-from tracerl.engines.scoring import effective_temperature, logprobs_at_temperature
+from tracerl.engines.batch import (
+    Batch,
+    Request,
+    Row,
+    check_request,
+    deliver,
+    joinable,
+    left_padded,
+    merge,
+    new_row,
+    sample,
+    select,
+)
 from tracerl.types import Generation, SamplingParams
+
+if TYPE_CHECKING:
+    from tracerl.engines.base import Engine
 
 __all__ = ["EngineStats", "HFEngine"]
 
@@ -60,49 +73,6 @@ class EngineStats(BaseModel):
     """Rows in the running batch now."""
     weight_swaps: int = 0
     """Times new weights were switched in."""
-
-
-@dataclass
-class _Request:
-    """One `generate` call waiting for the worker."""
-
-    prompt_ids: list[int]
-    params: SamplingParams
-    future: asyncio.Future[Generation]
-    loop: asyncio.AbstractEventLoop
-
-
-@dataclass
-class _Row:
-    """A request being decoded: its sampler and what it has produced so far."""
-
-    request: _Request
-    generator: torch.Generator
-    budget: int
-    """Most tokens it may sample: max_tokens, capped by max_context."""
-    version: int
-    """Version of the weights decoding it."""
-    stops: list[str]
-    stop_window: int
-    """How many trailing tokens to decode to see any stop string whole."""
-    completion_ids: list[int] = field(default_factory=list)
-    logprobs: list[float] = field(default_factory=list)
-
-
-@dataclass
-class _Batch:
-    """The running rows and their shared KV cache (B rows, L cached columns)."""
-
-    rows: list[_Row]
-    cache: DynamicCache
-    mask_BL: torch.Tensor
-    """1 over real tokens, 0 over left padding, for every cached column."""
-    next_B: torch.Tensor
-    """The last sampled token of each row, not yet in the cache."""
-    pos_B: torch.Tensor
-    """Position id of next_B: the number of real tokens before it."""
-    joinable: bool
-    """Plain full-attention cache: rows may be merged in and padding trimmed."""
 
 
 class HFEngine:
@@ -139,13 +109,13 @@ class HFEngine:
         # two threads at once can fail with "Already borrowed".
         self._stop_decoder = copy.deepcopy(self.tokenizer)
         self._rng = torch.Generator().manual_seed(seed)
-        self._queue: queue.SimpleQueue[_Request | None] = queue.SimpleQueue()
-        self._waiting: list[_Request] = []
-        self._batch: _Batch | None = None
+        self._queue: queue.SimpleQueue[Request | None] = queue.SimpleQueue()
+        self._waiting: list[Request] = []
+        self._batch: Batch | None = None
         self._pending: tuple[PreTrainedModel, int] | None = None
         self._lock = threading.Lock()
         self._counters = EngineStats()  # written by the worker only
-        self._outbox: list[tuple[_Request, Generation | BaseException]] = []
+        self._outbox: list[tuple[Request, Generation | BaseException]] = []
         self._closed = False
         self._thread = threading.Thread(target=self._run, name="hf-engine", daemon=True)
         self._thread.start()
@@ -167,26 +137,27 @@ class HFEngine:
         self._check(prompt_ids, params)
         loop = asyncio.get_running_loop()
         future: asyncio.Future[Generation] = loop.create_future()
-        self._queue.put(_Request(list(prompt_ids), params, future, loop))
+        self._queue.put(Request(list(prompt_ids), params, future, loop))
         return await future
 
     def load_weights(self, path: str | Path, version: int) -> None:
         """Serve the HF model dir `path` as `version` once the running batch has drained.
 
-        Blocks while it reads the weights; a busy server may run it in a thread
-        (`await asyncio.to_thread(engine.load_weights, path, version)`).
+        Not part of the Engine protocol (weights move by `load_state_dict`); kept for
+        serving a saved checkpoint. Blocks while it reads the weights.
         """
         self._stage(self._load_model(path), version)
 
-    def load_state_dict(self, state_dict: dict[str, torch.Tensor], version: int) -> None:
-        """Serve `state_dict` (same keys as the model's) as `version`, without touching disk.
+    def load_state_dict(self, state: dict[str, torch.Tensor], version: int) -> None:
+        """Serve `state` (same keys as the model's) as `version`, without touching disk.
 
-        The tensors are copied now, so the caller may keep training them.
+        The tensors are copied now, so the caller may keep training them; the worker
+        switches to the copy between decode steps, once the running batch has drained.
         """
         with self._lock:
             base = self._pending[0] if self._pending is not None else self._model
         model = copy.deepcopy(base)
-        model.load_state_dict(state_dict)
+        model.load_state_dict(state)
         self._stage(model, version)
 
     def close(self) -> None:
@@ -205,21 +176,7 @@ class HFEngine:
     def _check(self, prompt_ids: list[int], params: SamplingParams) -> None:
         if self._closed:
             raise RuntimeError("engine is closed")
-        if not prompt_ids:
-            raise ValueError("prompt is empty")
-        if len(prompt_ids) >= self.max_context:
-            raise ValueError(
-                f"prompt has {len(prompt_ids)} tokens; max_context is {self.max_context}, "
-                "which leaves no room for a completion"
-            )
-        if min(prompt_ids) < 0 or max(prompt_ids) >= self._vocab_size:
-            raise ValueError(f"prompt has token ids outside [0, {self._vocab_size})")
-        if params.max_tokens < 1:
-            raise ValueError("max_tokens must be at least 1")
-        if params.temperature < 0:
-            raise ValueError("temperature must be >= 0")
-        if not 0 < params.top_p <= 1:
-            raise ValueError("top_p must be in (0, 1]")
+        check_request(prompt_ids, params, self.max_context, self._vocab_size)
 
     def _load_model(self, path: str | Path) -> PreTrainedModel:
         model = AutoModelForCausalLM.from_pretrained(path, dtype=self.dtype, device_map=self.device)
@@ -284,7 +241,7 @@ class HFEngine:
             self._fail(rows, exc)
             return
         if new is not None:
-            self._batch = new if running is None else _merge(running, new)
+            self._batch = new if running is None else merge(running, new)
         self._note_rows()
 
     def _step(self) -> None:
@@ -311,32 +268,16 @@ class HFEngine:
         self._batch = self._retire(batch)
         self._note_rows()
 
-    def _new_row(self, request: _Request) -> _Row:
-        params = request.params
-        seed = params.seed
+    def _new_row(self, request: Request) -> Row:
+        seed = request.params.seed
         if seed is None:
             seed = int(torch.randint(0, 2**62, (1,), generator=self._rng))
-        stops = [s for s in params.stop if s]
-        return _Row(
-            request=request,
-            generator=torch.Generator(device=self.device).manual_seed(seed),
-            budget=min(params.max_tokens, self.max_context - len(request.prompt_ids)),
-            version=self._serving_version,
-            stops=stops,
-            # Every token decodes to at least one byte, so this many tokens cover any stop
-            # string; +2 absorbs a leading space some decoders drop.
-            stop_window=max((len(s.encode()) for s in stops), default=0) + 2,
-        )
+        generator = torch.Generator(device=self.device).manual_seed(seed)
+        return new_row(request, generator, self._serving_version, self.max_context)
 
-    def _prefill(self, rows: list[_Row]) -> _Batch:
+    def _prefill(self, rows: list[Row]) -> Batch:
         """Run the left-padded prompts through the model and sample each row's first token."""
-        prompts = [r.request.prompt_ids for r in rows]
-        width = max(len(p) for p in prompts)
-        ids_BL = torch.full((len(rows), width), self._pad_id, dtype=torch.long)
-        mask_BL = torch.zeros((len(rows), width), dtype=torch.long)
-        for i, prompt in enumerate(prompts):
-            ids_BL[i, width - len(prompt) :] = torch.tensor(prompt)
-            mask_BL[i, width - len(prompt) :] = 1
+        ids_BL, mask_BL = left_padded([r.request.prompt_ids for r in rows], self._pad_id)
         ids_BL, mask_BL = ids_BL.to(self.device), mask_BL.to(self.device)
         # Positions count real tokens, so left padding does not shift them.
         pos_BL = (mask_BL.cumsum(-1) - 1).clamp(min=0)
@@ -349,48 +290,23 @@ class HFEngine:
             use_cache=True,
             logits_to_keep=1,
         )
-        batch = _Batch(
+        batch = Batch(
             rows=rows,
             cache=cache,
             mask_BL=mask_BL,
             next_B=ids_BL[:, -1],  # replaced by the first sampled tokens just below
             pos_B=mask_BL.sum(-1),
-            joinable=_joinable(cache),
+            joinable=joinable(cache),
         )
         self._counters.batches += 1
         self._sample(batch, out.logits[:, -1])
         return batch
 
-    def _sample(self, batch: _Batch, logits_BV: torch.Tensor) -> None:
-        """Pick each row's next token with its own sampler; record its log-prob."""
-        rows = batch.rows
-        params = [r.request.params for r in rows]
-        temperature_B = torch.tensor(
-            [effective_temperature(p.temperature) for p in params], device=logits_BV.device
-        )
-        logp_BV = logprobs_at_temperature(logits_BV, temperature_B)
-        token_B = logits_BV.float().argmax(-1)
-        sampled = [i for i, p in enumerate(params) if p.temperature > 0]
-        if sampled:
-            # top_p of 1 becomes 2 so rounding in the cumulative sum never drops a token.
-            top_p_S = torch.tensor(
-                [params[i].top_p if params[i].top_p < 1 else 2.0 for i in sampled],
-                device=logits_BV.device,
-            )
-            probs_SV = _top_p_filter(logp_BV[sampled].exp(), top_p_S)
-            draws = [
-                torch.multinomial(probs_SV[j], 1, generator=rows[i].generator)
-                for j, i in enumerate(sampled)
-            ]
-            token_B[sampled] = torch.cat(draws)
-        logp_B = logp_BV.gather(1, token_B[:, None])[:, 0]
-        batch.next_B = token_B
-        for row, token, logp in zip(rows, token_B.tolist(), logp_B.tolist(), strict=True):
-            row.completion_ids.append(token)
-            row.logprobs.append(logp)
-        self._counters.tokens += len(rows)
+    def _sample(self, batch: Batch, logits_BV: torch.Tensor) -> None:
+        sample(batch, logits_BV)
+        self._counters.tokens += len(batch.rows)
 
-    def _retire(self, batch: _Batch) -> _Batch | None:
+    def _retire(self, batch: Batch) -> Batch | None:
         """Answer finished rows, forget cancelled ones, and drop both from the batch."""
         keep = []
         for i, row in enumerate(batch.rows):
@@ -405,9 +321,9 @@ class HFEngine:
             return batch
         if not keep:
             return None
-        return _select(batch, keep)
+        return select(batch, keep)
 
-    def _finish(self, row: _Row) -> tuple[str, str | None] | None:
+    def _finish(self, row: Row) -> tuple[str, str | None] | None:
         """(finish_reason, stop_string) if the row is done, else None."""
         if row.completion_ids[-1] in self._eos:
             return "stop", None
@@ -422,7 +338,7 @@ class HFEngine:
             return "length", None
         return None
 
-    def _answer(self, row: _Row, finish_reason: str, stop_string: str | None) -> None:
+    def _answer(self, row: Row, finish_reason: str, stop_string: str | None) -> None:
         generation = Generation(
             completion_ids=row.completion_ids,
             logprobs=row.logprobs,
@@ -432,7 +348,7 @@ class HFEngine:
         )
         self._outbox.append((row.request, generation))
 
-    def _fail(self, rows: list[_Row], exc: BaseException) -> None:
+    def _fail(self, rows: list[Row], exc: BaseException) -> None:
         self._outbox.extend((row.request, exc) for row in rows)
 
     def _fail_in_flight(self, exc: BaseException) -> None:
@@ -450,105 +366,12 @@ class HFEngine:
         outbox, self._outbox = self._outbox, []
         self._counters.requests += len(outbox)
         for request, outcome in outbox:
-            _deliver(request, outcome)
+            deliver(request, outcome)
 
     def _note_rows(self) -> None:
         running = len(self._batch.rows) if self._batch is not None else 0
         self._counters.running_rows = running
         self._counters.peak_rows = max(self._counters.peak_rows, running)
-
-
-# -- batch surgery: select rows, merge batches, trim padding -------------------------------
-
-
-def _select(batch: _Batch, keep: list[int]) -> _Batch:
-    """Keep only the rows `keep`; drop cache columns no remaining row uses."""
-    index_K = torch.tensor(keep, device=batch.mask_BL.device)
-    batch.cache.batch_select_indices(index_K)
-    batch.rows = [batch.rows[i] for i in keep]
-    batch.mask_BL = batch.mask_BL[index_K]
-    batch.next_B = batch.next_B[index_K]
-    batch.pos_B = batch.pos_B[index_K]
-    if batch.joinable:
-        _trim_left(batch)
-    return batch
-
-
-def _trim_left(batch: _Batch) -> None:
-    """Cut leading columns that are padding in every row (left by a longer row that left)."""
-    start = int(batch.mask_BL.any(0).int().argmax())
-    if start == 0:
-        return
-    for layer in _dynamic_layers(batch.cache):
-        keys, values = _kv(layer)
-        layer.keys, layer.values = keys[:, :, start:], values[:, :, start:]
-    batch.mask_BL = batch.mask_BL[:, start:]
-
-
-def _merge(a: _Batch, b: _Batch) -> _Batch:
-    """One batch holding a's rows then b's, both left-padded to the longer cache."""
-    width = max(a.mask_BL.shape[1], b.mask_BL.shape[1])
-
-    def pad_left(x: torch.Tensor, dim_from_end: int) -> torch.Tensor:
-        missing = width - x.shape[-dim_from_end]
-        return F.pad(x, (0, 0) * (dim_from_end - 1) + (missing, 0))
-
-    for la, lb in zip(_dynamic_layers(a.cache), _dynamic_layers(b.cache), strict=True):
-        (keys_a, values_a), (keys_b, values_b) = _kv(la), _kv(lb)
-        la.keys = torch.cat([pad_left(keys_a, 2), pad_left(keys_b, 2)])
-        la.values = torch.cat([pad_left(values_a, 2), pad_left(values_b, 2)])
-    a.mask_BL = torch.cat([pad_left(a.mask_BL, 1), pad_left(b.mask_BL, 1)])
-    a.next_B = torch.cat([a.next_B, b.next_B])
-    a.pos_B = torch.cat([a.pos_B, b.pos_B])
-    a.rows = a.rows + b.rows
-    return a
-
-
-def _joinable(cache: DynamicCache) -> bool:
-    """True for a plain full-attention cache, the only kind batch surgery knows how to edit.
-
-    Sliding-window, linear-attention or KV-sharing layers make a batch run to completion
-    before the next one is admitted (dynamic batching).
-    """
-    return all(
-        type(layer) is DynamicLayer and getattr(layer, "keys", None) is not None
-        for layer in cache.layers
-    )
-
-
-def _dynamic_layers(cache: DynamicCache) -> list[DynamicLayer]:
-    """The cache's layers, which only joinable batches touch: all plain DynamicLayers."""
-    return cast(list[DynamicLayer], cache.layers)
-
-
-def _kv(layer: DynamicLayer) -> tuple[torch.Tensor, torch.Tensor]:
-    """A filled layer's keys and values, each [B, heads, L, head_dim]."""
-    assert layer.keys is not None and layer.values is not None, "prefill fills every layer"
-    return layer.keys, layer.values
-
-
-def _top_p_filter(probs_BV: torch.Tensor, top_p_B: torch.Tensor) -> torch.Tensor:
-    """Zero every token outside each row's nucleus (the smallest set holding top_p mass)."""
-    sorted_BV, order_BV = probs_BV.sort(-1, descending=True)
-    mass_before_BV = sorted_BV.cumsum(-1) - sorted_BV
-    sorted_BV = sorted_BV.masked_fill(mass_before_BV >= top_p_B[:, None], 0.0)
-    return torch.zeros_like(probs_BV).scatter(-1, order_BV, sorted_BV)
-
-
-def _deliver(request: _Request, outcome: Generation | BaseException) -> None:
-    """Hand a result or an error to the caller's event loop."""
-    # A closed loop raises RuntimeError: its caller is gone and nobody is waiting any more.
-    with contextlib.suppress(RuntimeError):
-        request.loop.call_soon_threadsafe(_settle, request.future, outcome)
-
-
-def _settle(future: asyncio.Future[Generation], outcome: Generation | BaseException) -> None:
-    if future.done():
-        return
-    if isinstance(outcome, BaseException):
-        future.set_exception(outcome)
-    else:
-        future.set_result(outcome)
 
 
 def _eos_token_ids(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase) -> list[int]:
@@ -567,3 +390,7 @@ def _eos_token_ids(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase) -
     if not ids:
         raise ValueError("the model declares no end token (eos_token_id)")
     return ids
+
+
+if TYPE_CHECKING:  # mypy checks every member against the Engine protocol
+    _: Engine = HFEngine("")

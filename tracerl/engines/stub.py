@@ -7,8 +7,15 @@ model: no thread hop, no model, one prebuilt answer returned as is.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 from tracerl.types import Generation, SamplingParams
+
+if TYPE_CHECKING:
+    from torch import Tensor
+    from transformers import PreTrainedTokenizerBase
+
+    from tracerl.engines.base import Engine
 
 __all__ = ["StubEngine"]
 
@@ -23,6 +30,7 @@ class StubEngine:
         eos_token_ids: Sequence[int] = (0,),
         max_context: int = 4096,
         policy_version: int = 0,
+        tokenizer: PreTrainedTokenizerBase | None = None,
     ) -> None:
         self.completion_ids = list(completion_ids)
         self.eos_token_ids = list(eos_token_ids)
@@ -30,7 +38,16 @@ class StubEngine:
         self.policy_version = policy_version
         self.calls = 0
         """How many times generate was called."""
+        self._tokenizer = tokenizer
         self._answer = self._build(len(self.completion_ids))
+
+    @property
+    def tokenizer(self) -> PreTrainedTokenizerBase:
+        """The tokenizer given at construction; a stub built without one has none."""
+        if self._tokenizer is None:
+            # AttributeError, so isinstance(stub, Engine) is honestly False without one.
+            raise AttributeError("this StubEngine was built without a tokenizer")
+        return self._tokenizer
 
     async def generate(self, prompt_ids: list[int], params: SamplingParams) -> Generation:
         """Return the fixed completion, cut to max_tokens ("length") if it is shorter."""
@@ -43,8 +60,8 @@ class StubEngine:
             return self._answer  # frozen, so one object serves every call
         return self._build(params.max_tokens)
 
-    def load_weights(self, path: str, version: int) -> None:
-        """Record the new version; there are no weights to load."""
+    def load_state_dict(self, state: dict[str, Tensor], version: int) -> None:
+        """Record the new version; the stub has no weights to replace."""
         self.policy_version = version
         self._answer = self._build(len(self.completion_ids))
 
@@ -58,3 +75,7 @@ class StubEngine:
             finish_reason="stop" if n == len(self.completion_ids) else "length",
             policy_version=self.policy_version,
         )
+
+
+if TYPE_CHECKING:  # mypy checks every member against the Engine protocol
+    _: Engine = StubEngine()

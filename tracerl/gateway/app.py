@@ -23,9 +23,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from tracerl.gateway.chat import ChatRequest, CompletionRequest, wire_message
 from tracerl.gateway.core import Choice, Gateway, GatewayError, Served, decode, invalid
-from tracerl.store import LeaseLost, NotFound
 from tracerl.store.http import install_error_handlers, store_router
-from tracerl.types import Reward
 
 log = logging.getLogger(__name__)
 
@@ -38,7 +36,7 @@ class RewardRequest(BaseModel):
 
     value: float
     """The reward."""
-    span_seq: int | None = Field(default=None, ge=0)
+    span_seq: int | None = Field(default=None, ge=0, lt=2**31)
     """Seq of the call it rewards, for a per-step reward; None for a final reward."""
     role: str | None = Field(default=None, min_length=1, max_length=128)
     """For a per-role final reward, the role (model name) it credits instead of the
@@ -139,21 +137,7 @@ def create_app(gateway: Gateway, with_store_api: bool = True) -> FastAPI:
             req = RewardRequest.model_validate(await _body(request))
         except ValidationError as e:
             raise invalid(e) from None
-        rollout = gateway.rollout(rollout_id)
-        assert rollout is not None and gateway.store is not None
-        try:
-            gateway.store.add_reward(
-                Reward(
-                    rollout_id=rollout.id,
-                    attempt=rollout.attempt,
-                    value=req.value,
-                    span_seq=req.span_seq,
-                    role=req.role,
-                    name=req.name,
-                )
-            )
-        except (LeaseLost, NotFound) as e:
-            raise GatewayError(409, str(e), code="rollout_not_running") from None
+        await gateway.reward(rollout_id, req.value, req.span_seq, req.role, req.name)
         return _json({"ok": True})
 
     async def health(request: Request) -> Response:
@@ -166,7 +150,8 @@ def create_app(gateway: Gateway, with_store_api: bool = True) -> FastAPI:
     app.add_api_route("/rollouts/{rollout_id}/reward", reward, methods=["POST"])
     app.add_api_route("/health", health, methods=["GET"])
     if with_store_api and gateway.store is not None:
-        app.include_router(store_router(gateway.store), prefix="/store")
+        store_api = store_router(gateway.store, gateway.store_executor)
+        app.include_router(store_api, prefix="/store")
     return app
 
 

@@ -84,8 +84,8 @@ class ChatRequest(BaseModel):
     """Number of choices."""
     stop: str | list[str] | None = None
     """Up to 4 stop strings."""
-    seed: int | None = None
-    """Sampler seed; choice i uses seed + i."""
+    seed: int | None = Field(default=None, ge=-(2**63), lt=2**63)
+    """Sampler seed; choice i uses seed + i (64 bits, what a torch generator takes)."""
     logprobs: bool = False
     """Return the sampled tokens' log-probs."""
     top_logprobs: int | None = Field(default=None, ge=0, le=0)
@@ -132,8 +132,8 @@ class CompletionRequest(BaseModel):
     """Number of choices."""
     stop: str | list[str] | None = None
     """Up to 4 stop strings."""
-    seed: int | None = None
-    """Sampler seed."""
+    seed: int | None = Field(default=None, ge=-(2**63), lt=2**63)
+    """Sampler seed (64 bits, what a torch generator takes)."""
     logprobs: int | None = Field(default=None, ge=0, le=0)
     """0 returns the sampled tokens' log-probs; alternatives are not supported."""
     echo: bool = False

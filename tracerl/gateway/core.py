@@ -1,159 +1,56 @@
-"""The gateway's logic, free of HTTP: serve a chat or completion call and record its span.
+"""The gateway's logic, free of HTTP: route a chat or completion call to its model, build
+its prompt, sample it, and hand the choices to the span recorder.
 
 A call is attributed to a rollout (or to none, for plain serving). The prompt is built
 token-in/token-out, the engine samples n choices concurrently (it batches them with every
-other agent's calls), each choice becomes one Span in the store, and the reply is parsed
-into OpenAI message parts.
+other agent's calls), each choice becomes one Span in the store (record.py), and the reply
+is parsed into OpenAI message parts.
 
-The response id names the spans: a completion `chatcmpl-<hex>` (or `cmpl-<hex>`) records
-its first choice as span `<hex>` and choice i > 0 as `<hex>-<i>`. Agents that nest (a
-planner that runs an executor sub-agent) pass that id as the sub-agent's parent; it is
-stored as the sub-agent's spans' `parent_span_id`.
+Threads. Everything here runs on the gateway's event loop (the HTTP server's thread), and
+nothing here may block it: rendering chat templates and tokenizing run on the gateway's
+one tokenizer thread (one, so a tokenizer is never used by two threads at once), store
+calls on its store threads (record.py), and sampling is awaited on the engine. `close`
+stops both executors; the HTTP server must be stopped first (LocalStack.close does).
 """
 
 from __future__ import annotations
 
 import asyncio
-import re
+import functools
 import time
 import uuid
 from collections import OrderedDict
-from dataclasses import dataclass, field
-from typing import Any
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, TypeVar
 
-from pydantic import ValidationError
-from transformers import PreTrainedTokenizerBase
-
-from tracerl.engines.base import Engine
 from tracerl.gateway.chat import (
     ChatRequest,
     CompletionRequest,
     Message,
-    ParsedReply,
     ToolSpec,
     canonical_reply,
     normalize_message,
     parse_reply,
-    wire_message,
 )
+from tracerl.gateway.errors import GatewayError, invalid
+from tracerl.gateway.record import Call, SpanRecorder
 from tracerl.gateway.remote import RemoteError, RemoteModel
-from tracerl.gateway.tito import History, Prompt, PromptBuilder, Turn
-from tracerl.store import LeaseLost, NotFound, Store
-from tracerl.types import Generation, Rollout, RolloutStatus, SamplingParams, Span
+from tracerl.gateway.served import Choice, Served, ServedModel, decode
+from tracerl.gateway.tito import History, Prompt, Turn
+from tracerl.store import Store
+from tracerl.types import Generation, Reward, SamplingParams
 
+__all__ = ["Choice", "Gateway", "GatewayError", "Served", "ServedModel", "decode", "invalid"]
 
-class GatewayError(Exception):
-    """A request the gateway refuses, with its HTTP status and OpenAI error fields."""
-
-    def __init__(
-        self,
-        status: int,
-        message: str,
-        type: str = "invalid_request_error",
-        param: str | None = None,
-        code: str | None = None,
-    ) -> None:
-        super().__init__(message)
-        self.status, self.message, self.type, self.param, self.code = (
-            status,
-            message,
-            type,
-            param,
-            code,
-        )
-
-
-def invalid(e: ValidationError) -> GatewayError:
-    """A pydantic validation failure as a 400 naming the first offending field."""
-    err = e.errors()[0]
-    param = ".".join(str(p) for p in err["loc"]) or None
-    return GatewayError(400, f"{param}: {err['msg']}" if param else err["msg"], param=param)
-
-
-@dataclass
-class ServedModel:
-    """A model name the gateway answers to, with its engine and tokenizer."""
-
-    name: str
-    """The `model` agents ask for; also the role recorded on spans."""
-    engine: Engine
-    """What samples completions."""
-    tokenizer: PreTrainedTokenizerBase
-    """Tokenizer with the chat template of the engine's model."""
-    default_max_tokens: int = 512
-    """max_tokens when a request gives none (still capped by the context)."""
-    prompts: PromptBuilder = field(init=False)
-    _special: re.Pattern[str] | None = field(init=False, default=None)
-
-    def __post_init__(self) -> None:
-        self.prompts = PromptBuilder(self.tokenizer)
-        # Special tokens other than the tool-call markers never reach the agent's text.
-        hidden = [t for t in self.tokenizer.all_special_tokens if "tool_call" not in t]
-        if hidden:
-            self._special = re.compile("|".join(re.escape(t) for t in hidden))
-
-    def text(self, gen: Generation) -> str:
-        """The completion's text as the agent sees it (no end token, no stop string)."""
-        text = decode(self.tokenizer, gen.completion_ids, skip_special=False)
-        if gen.stop_string:
-            at = text.find(gen.stop_string)
-            text = text[:at] if at >= 0 else text
-        return self._special.sub("", text) if self._special else text
-
-
-@dataclass
-class _Calls:
-    """What the gateway remembers of one rollout attempt's recorded calls."""
-
-    next_seq: int
-    """Seq of the next span."""
-    span_ids: set[str]
-    """Ids of the spans recorded so far: the parents a call of this attempt may name."""
-
+T = TypeVar("T")
 
 HistoryKey = tuple[str, int, str, str | None]
 """(rollout id, attempt, role, parent span id): one agent's conversation with one model."""
 
-
-@dataclass
-class Choice:
-    """One sampled choice, ready to be written in any wire format."""
-
-    index: int
-    """Position among the request's n choices."""
-    gen: Generation
-    """What the engine sampled."""
-    text: str
-    """Decoded completion text (raw, before tool-call parsing)."""
-    reply: ParsedReply
-    """Content and tool calls parsed from the text."""
-    call_ids: list[str]
-    """Ids given to the parsed tool calls."""
-    finish_reason: str
-    """OpenAI finish reason: stop, length or tool_calls."""
-
-
-@dataclass
-class Served:
-    """The outcome of one call: its choices and token counts."""
-
-    id: str
-    """Response id: chatcmpl-<span id> / cmpl-<span id> (the first choice's span)."""
-    model: str
-    """Model name that answered."""
-    created: int
-    """Unix time."""
-    choices: list[Choice]
-    """The n choices."""
-    prompt_tokens: int
-    """Prompt length in tokens."""
-    tokenizer: PreTrainedTokenizerBase
-    """For per-token text in logprobs and streaming."""
-
-    @property
-    def completion_tokens(self) -> int:
-        """Sampled tokens over all choices."""
-        return sum(len(c.gen.completion_ids) for c in self.choices)
+STORE_THREADS = 4
+"""Store calls in flight at once (the store serialises SQLite itself; more threads let a
+remote store's HTTP calls overlap)."""
 
 
 class Gateway:
@@ -173,17 +70,24 @@ class Gateway:
         clash = sorted(set(models) & set(self.remote))
         if clash:
             raise ValueError(f"roles served both locally and remotely: {clash}")
-        # Per-rollout memory, bounded: the oldest entries go first. A forgotten history only
-        # costs a re-tokenization (recorded as a prefix break); a forgotten call counter is
-        # recovered from the store.
+        self.store_executor = ThreadPoolExecutor(STORE_THREADS, "tracerl-store")
+        """Where store calls run, the span recorder's and the /store API's."""
+        self._tokenizer_thread = ThreadPoolExecutor(1, "tracerl-tokenize")
+        self.recorder = SpanRecorder(store, memory, self.store_executor)
+        # Per-rollout token histories, bounded: the oldest go first. A forgotten history
+        # only costs a re-tokenization (recorded as a prefix break).
         self._histories: OrderedDict[HistoryKey, History] = OrderedDict()
-        self._calls: OrderedDict[tuple[str, int], _Calls] = OrderedDict()
         self.memory = memory
 
     @property
     def names(self) -> list[str]:
         """Every model name (role) the gateway answers to, local and remote."""
         return sorted([*self.models, *self.remote])
+
+    def close(self) -> None:
+        """Stop the tokenizer and store threads (after the HTTP server has stopped)."""
+        self._tokenizer_thread.shutdown(wait=True, cancel_futures=True)
+        self.store_executor.shutdown(wait=True, cancel_futures=True)
 
     def model(self, name: str) -> ServedModel:
         """The served model called `name`, or a 404 (a 400 for a remote role's raw
@@ -207,62 +111,18 @@ class Gateway:
             )
         return served
 
-    def rollout(self, rollout_id: str | None) -> Rollout | None:
-        """The running rollout a call belongs to; 404 unknown, 409 when not running."""
-        if rollout_id is None or self.store is None:
-            return None
-        try:
-            rollout = self.store.get_rollout(rollout_id)
-        except NotFound:
-            raise GatewayError(
-                404, f"unknown rollout '{rollout_id}'", code="rollout_not_found"
-            ) from None
-        if rollout.status != RolloutStatus.running:
-            raise GatewayError(
-                409,
-                f"rollout '{rollout_id}' is {rollout.status.value}, not running",
-                code="rollout_not_running",
-            )
-        return rollout
-
-    def parent(self, rollout: Rollout | None, value: str | None) -> str | None:
-        """The span id an X-Tracerl-Parent value names; 400 when this attempt has no such call.
-
-        The value is a completion id the gateway returned (chatcmpl-..., cmpl-...) or a span
-        id. Without a rollout nothing is recorded, so the value is not checked.
-        """
-        if rollout is None or value is None or not value.strip():
-            return None
-        value = value.strip()
-        span_id = value.removeprefix("chatcmpl-").removeprefix("cmpl-")
-        calls = self._attempt_calls(rollout)
-        if span_id not in calls.span_ids:
-            # Another gateway process may have recorded it: the store is the truth.
-            calls.span_ids |= {s.id for s in self._stored(rollout)}
-        if span_id not in calls.span_ids:
-            raise GatewayError(
-                400,
-                f"X-Tracerl-Parent '{value}' is not a call of rollout '{rollout.id}' "
-                f"(attempt {rollout.attempt}); send the id of a completion this rollout "
-                "received",
-                param="X-Tracerl-Parent",
-                code="parent_not_found",
-            )
-        return span_id
-
     async def chat(
         self, req: ChatRequest, rollout_id: str | None, parent: str | None = None
     ) -> Served:
         """Serve a chat completion request; `parent` is the X-Tracerl-Parent header."""
         served = self.model(req.model)
-        rollout = self.rollout(rollout_id)
-        parent_id = self.parent(rollout, parent)
-        messages = _messages(req)
-        tools = _tool_dicts(req.tools)
+        rollout = await self.recorder.rollout(rollout_id)
+        parent_id = await self.recorder.parent(rollout, parent)
         # A sub-agent of the same role as its parent (a planner calling a planner) has its
         # own conversation: keying by parent keeps the parent's token history intact.
         key = (rollout.id, rollout.attempt, req.model, parent_id) if rollout else None
-        prompt = self._prompt(served, messages, tools, key)
+        prev = self._histories.get(key) if key else None
+        messages, tools, prompt = await self._tokenize(_chat_prompt, served, req, prev)
         params = self._params(served, len(prompt.ids), req.token_limit(), req)
         started = time.perf_counter()
         gens = await self._sample(served, prompt.ids, params, req.n)
@@ -271,8 +131,8 @@ class Gateway:
         span_id = uuid.uuid4().hex
         if rollout is not None and key is not None:
             self._remember(key, messages, tools, prompt, choices)
-            call = _Call(span_id, req.model, parent_id, messages, prompt, params, latency)
-            self._record(rollout, call, choices)
+            call = Call(span_id, req.model, parent_id, messages, prompt, params, latency)
+            await self.recorder.record(rollout, call, choices)
         return Served(
             id=f"chatcmpl-{span_id}",
             model=req.model,
@@ -288,8 +148,8 @@ class Gateway:
         """Forward a chat request for a remote role; record each choice as a text-only span
         (no token ids, policy version -1) and return the reply under the gateway's id."""
         remote = self.remote[req.model]
-        rollout = self.rollout(rollout_id)
-        parent_id = self.parent(rollout, parent)
+        rollout = await self.recorder.rollout(rollout_id)
+        parent_id = await self.recorder.parent(rollout, parent)
         messages = _messages(req)
         started = time.perf_counter()
         try:
@@ -299,60 +159,19 @@ class Gateway:
         latency = time.perf_counter() - started
         span_id = uuid.uuid4().hex
         if rollout is not None:
-            self._record_text(rollout, span_id, req, parent_id, messages, body, latency)
+            params = SamplingParams(temperature=req.temperature)
+            call = Call(span_id, req.model, parent_id, messages, Prompt([]), params, latency)
+            await self.recorder.record_text(rollout, call, body)
         return {**body, "id": f"chatcmpl-{span_id}", "model": req.model}
-
-    def _record_text(
-        self,
-        rollout: Rollout,
-        span_id: str,
-        req: ChatRequest,
-        parent_id: str | None,
-        messages: list[Message],
-        body: dict[str, Any],
-        latency: float,
-    ) -> None:
-        calls = self._attempt_calls(rollout)
-        spans = []
-        for i, choice in enumerate(body["choices"]):
-            finish = str(choice.get("finish_reason") or "stop")
-            spans.append(
-                Span(
-                    id=span_id if i == 0 else f"{span_id}-{i}",
-                    rollout_id=rollout.id,
-                    attempt=rollout.attempt,
-                    seq=calls.next_seq + i,
-                    role=req.model,
-                    policy_version=-1,
-                    prompt_ids=[],
-                    completion_ids=[],
-                    logprobs=[],
-                    messages=messages,
-                    response={"message": choice["message"], "finish_reason": finish},
-                    finish_reason=finish,
-                    temperature=req.temperature,
-                    parent_span_id=parent_id,
-                    latency_s=latency,
-                )
-            )
-        self._store_spans(calls, spans)
 
     async def complete(
         self, req: CompletionRequest, rollout_id: str | None, parent: str | None = None
     ) -> Served:
         """Serve a raw text completion request; `parent` is the X-Tracerl-Parent header."""
         served = self.model(req.model)
-        rollout = self.rollout(rollout_id)
-        parent_id = self.parent(rollout, parent)
-        if isinstance(req.prompt, str):
-            ids = list(served.tokenizer.encode(req.prompt))
-        else:
-            ids = list(req.prompt)
-            vocab = len(served.tokenizer)
-            if any(not 0 <= t < vocab for t in ids):
-                raise GatewayError(400, f"prompt token ids must be in [0, {vocab})", "prompt")
-        if not ids:
-            raise GatewayError(400, "prompt is empty", param="prompt")
+        rollout = await self.recorder.rollout(rollout_id)
+        parent_id = await self.recorder.parent(rollout, parent)
+        ids = await self._tokenize(_completion_ids, served, req.prompt)
         prompt = Prompt(ids=ids)
         params = self._params(served, len(ids), req.max_tokens, req)
         started = time.perf_counter()
@@ -361,8 +180,8 @@ class Gateway:
         choices = [self._choice(served, i, g, False) for i, g in enumerate(gens)]
         span_id = uuid.uuid4().hex
         if rollout is not None:
-            call = _Call(span_id, req.model, parent_id, [], prompt, params, latency)
-            self._record(rollout, call, choices)
+            call = Call(span_id, req.model, parent_id, [], prompt, params, latency)
+            await self.recorder.record(rollout, call, choices)
         return Served(
             id=f"cmpl-{span_id}",
             model=req.model,
@@ -372,20 +191,33 @@ class Gateway:
             tokenizer=served.tokenizer,
         )
 
-    def _prompt(
+    async def reward(
         self,
-        served: ServedModel,
-        messages: list[Message],
-        tools: list[dict] | None,
-        key: HistoryKey | None,
-    ) -> Prompt:
-        prev = self._histories.get(key) if key else None
-        try:
-            return served.prompts.build(messages, tools, prev)
-        except GatewayError:
-            raise
-        except Exception as e:  # a template that cannot render this conversation
-            raise GatewayError(400, f"cannot render messages: {e}", param="messages") from None
+        rollout_id: str,
+        value: float,
+        span_seq: int | None = None,
+        role: str | None = None,
+        name: str = "reward",
+    ) -> None:
+        """Record a reward for the running attempt of `rollout_id` (see RewardRequest)."""
+        rollout = await self.recorder.rollout(rollout_id)
+        if rollout is None:
+            raise GatewayError(400, "this gateway records no rollouts (it has no store)")
+        reward = Reward(
+            rollout_id=rollout.id,
+            attempt=rollout.attempt,
+            value=value,
+            span_seq=span_seq,
+            role=role,
+            name=name,
+        )
+        await self.recorder.reward(rollout, reward)
+
+    async def _tokenize(self, fn: Callable[..., T], *args: Any) -> T:
+        """Run template rendering / tokenization on the gateway's tokenizer thread."""
+        loop = asyncio.get_running_loop()
+        job = functools.partial(fn, *args)
+        return await loop.run_in_executor(self._tokenizer_thread, job)
 
     def _params(
         self,
@@ -450,89 +282,36 @@ class Gateway:
         while len(self._histories) > self.memory:
             self._histories.popitem(last=False)
 
-    def _stored(self, rollout: Rollout) -> list[Span]:
-        assert self.store is not None
-        return self.store.spans(rollout.id, rollout.attempt)
 
-    def _attempt_calls(self, rollout: Rollout) -> _Calls:
-        """This attempt's call memory; recovered from the store once forgotten."""
-        key = (rollout.id, rollout.attempt)
-        calls = self._calls.get(key)
-        if calls is None:
-            spans = self._stored(rollout)
-            calls = _Calls(next_seq=len(spans), span_ids={s.id for s in spans})
-            self._calls[key] = calls
-            while len(self._calls) > self.memory:
-                self._calls.popitem(last=False)
-        return calls
-
-    def _record(self, rollout: Rollout, call: _Call, choices: list[Choice]) -> None:
-        assert self.store is not None
-        calls = self._attempt_calls(rollout)
-        spans = []
-        for c in choices:
-            spans.append(
-                Span.model_construct(
-                    id=call.span_id if c.index == 0 else f"{call.span_id}-{c.index}",
-                    rollout_id=rollout.id,
-                    attempt=rollout.attempt,
-                    seq=calls.next_seq + c.index,
-                    role=call.role,
-                    policy_version=c.gen.policy_version,
-                    prompt_ids=call.prompt.ids,
-                    completion_ids=c.gen.completion_ids,
-                    logprobs=c.gen.logprobs,
-                    messages=call.messages,
-                    response={
-                        "message": wire_message(c.reply, c.call_ids),
-                        "finish_reason": c.finish_reason,
-                    },
-                    finish_reason=c.finish_reason,
-                    temperature=call.params.temperature,
-                    prefix_reused=call.prompt.reused,
-                    prefix_break=call.prompt.prefix_break,
-                    parent_span_id=call.parent_id,
-                    latency_s=call.latency,
-                    created_at=time.time(),
-                )
-            )
-        self._store_spans(calls, spans)
-
-    def _store_spans(self, calls: _Calls, spans: list[Span]) -> None:
-        assert self.store is not None
-        try:
-            self.store.add_spans(spans)
-        except LeaseLost as e:
-            raise GatewayError(409, str(e), code="rollout_not_running") from None
-        calls.next_seq += len(spans)
-        calls.span_ids.update(s.id for s in spans)
+# -- on the tokenizer thread --------------------------------------------------------------
 
 
-@dataclass(frozen=True)
-class _Call:
-    """One served request, as its spans record it."""
-
-    span_id: str
-    """Id of the first choice's span (the response id without its prefix)."""
-    role: str
-    """The model name asked for."""
-    parent_id: str | None
-    """The span of the agent that spawned the caller, if any."""
-    messages: list[Message]
-    """The request's canonical messages ([] for plain completions)."""
-    prompt: Prompt
-    """The prompt ids and how they were built."""
-    params: SamplingParams
-    """How the choices were sampled."""
-    latency: float
-    """Seconds the engine took."""
+def _chat_prompt(
+    served: ServedModel, req: ChatRequest, prev: History | None
+) -> tuple[list[Message], list[dict] | None, Prompt]:
+    """The request's canonical messages and tools, and its prompt ids (extending `prev`)."""
+    messages = _messages(req)
+    tools = _tool_dicts(req.tools)
+    try:
+        return messages, tools, served.prompts.build(messages, tools, prev)
+    except GatewayError:
+        raise
+    except Exception as e:  # a template that cannot render this conversation
+        raise GatewayError(400, f"cannot render messages: {e}", param="messages") from None
 
 
-def decode(tokenizer: PreTrainedTokenizerBase, ids: list[int], skip_special: bool) -> str:
-    """Text of ids (the tokenizer's stubs allow a list; one sequence gives a string)."""
-    text = tokenizer.decode(ids, skip_special_tokens=skip_special)
-    assert isinstance(text, str)
-    return text
+def _completion_ids(served: ServedModel, prompt: str | list[int]) -> list[int]:
+    """A raw completion's prompt ids: text tokenized as the tokenizer does, or ids checked."""
+    if isinstance(prompt, str):
+        ids = served.prompts.encode(prompt, special=True)
+    else:
+        ids = list(prompt)
+        vocab = len(served.tokenizer)
+        if any(not 0 <= t < vocab for t in ids):
+            raise GatewayError(400, f"prompt token ids must be in [0, {vocab})", "prompt")
+    if not ids:
+        raise GatewayError(400, "prompt is empty", param="prompt")
+    return ids
 
 
 def _end(gen: Generation) -> str:

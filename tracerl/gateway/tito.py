@@ -102,11 +102,16 @@ class PromptBuilder:
         assert isinstance(text, str)
         return text
 
-    def encode(self, text: str) -> list[int]:
-        """Ids of text; the template already holds every special token it needs."""
+    def encode(self, text: str, special: bool = False) -> list[int]:
+        """Ids of text. A rendered template already holds every special token it needs;
+        `special` adds the tokenizer's own (BOS...) for raw text completions."""
         if self._fast is not None:  # the Rust tokenizer directly: no Python-side wrapping
-            return list(self._fast.encode(text, add_special_tokens=False).ids)
-        return list(self.tokenizer.encode(text, add_special_tokens=False))
+            # encode_batch, not encode: it releases the GIL while it tokenizes, so a huge
+            # prompt on the gateway's tokenizer thread never stalls the event loop (encode
+            # holds the GIL throughout: seconds for a few MB).
+            (encoding,) = self._fast.encode_batch([text], add_special_tokens=special)
+            return list(encoding.ids)
+        return list(self.tokenizer.encode(text, add_special_tokens=special))
 
     def build(
         self, messages: list[Message], tools: list[dict] | None, prev: History | None

@@ -1,8 +1,9 @@
 """The store: tasks, rollout attempts and their lifecycle, spans, rewards, policy versions.
 
 `Store` is the interface every part codes against. `SqliteStore` (embedded, one file, or
-":memory:" for tests) implements it in-process; `tracerl.store.http.StoreClient` implements
-it over HTTP for runners on other machines. `connect()` picks one from a path or URL.
+":memory:" for tests; sqlite.py, its layout in schema.py) implements it in-process;
+`StoreClient` (client.py) implements it over HTTP for runners on other machines, against
+the router in http.py (what both send: wire.py). `connect()` picks one from a path or URL.
 
 Errors are one small hierarchy so that callers, and the HTTP layer, can tell a missing
 record from a refused state change from a lease that went to someone else.
@@ -152,7 +153,7 @@ class Store(Protocol):
 def connect(target: str | Path = ":memory:") -> Store:
     """A StoreClient for an http(s):// URL, else a SqliteStore on that path."""
     if str(target).startswith(("http://", "https://")):
-        from tracerl.store.http import StoreClient  # fastapi/httpx only when needed
+        from tracerl.store.client import StoreClient  # httpx only when needed
 
         return StoreClient(str(target))
     return SqliteStore(target)

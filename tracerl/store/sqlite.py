@@ -1,10 +1,19 @@
 """The embedded store: SQLite in one file (WAL), or in memory for tests.
 
-One connection guarded by one lock serves every thread (the gateway's event loop and the
-runners' workers); each write is one short IMMEDIATE transaction, so a claim is atomic and
-two claimers never get the same rollout. Every rollout state change goes through
-`_transition`, which refuses anything not in VALID_TRANSITIONS. Token ids and log-probs are
-stored packed (see packing.py), messages and responses as JSON text.
+Threads. One training process calls one SqliteStore from several threads at once: the
+gateway's store workers (span writes, rollout lookups, the /store API), the runners'
+`asyncio.to_thread` workers (claims, heartbeats, finishes), the async source's issuing
+thread, and the trainer (batches, published versions). The store owns its one connection
+and nobody else touches it: every statement runs inside `_tx` (one write transaction) or
+`_read` (one read), and both hold the store's lock for as long as the connection is in
+use, cursors included. So statements of different threads never interleave on the
+connection, and each write is one short IMMEDIATE transaction: a claim is atomic and two
+claimers never get the same rollout. Other processes on the same file are other
+connections; WAL lets them read while one writes, and IMMEDIATE plus busy_timeout makes
+writers take turns. After `close` (idempotent) every call raises StoreError.
+
+Every rollout state change goes through `_transition`, which refuses anything not in
+VALID_TRANSITIONS. The layout and the row codecs are in schema.py.
 """
 
 from __future__ import annotations
@@ -13,15 +22,33 @@ import sqlite3
 import threading
 import time
 import uuid
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import orjson
 
-from tracerl.store import Conflict, InvalidTransition, LeaseLost, NotFound, Store
-from tracerl.store.packing import pack_floats, pack_ids, unpack_floats, unpack_ids
+from tracerl.store import Conflict, InvalidTransition, LeaseLost, NotFound, Store, StoreError
+from tracerl.store.schema import (
+    INSERT_REWARD,
+    INSERT_ROLLOUT,
+    INSERT_SPAN,
+    MUTABLE,
+    REWARD_COLS,
+    ROLLOUT_COLS,
+    SCHEMA,
+    SELECT_ROLLOUT,
+    SPAN_COLS,
+    UPDATE_ROLLOUT,
+    add_missing_columns,
+    reward_from_row,
+    rollout_from_row,
+    span_from_row,
+    span_row,
+    task_from_row,
+    task_row,
+)
 from tracerl.types import (
     FINISHED,
     VALID_TRANSITIONS,
@@ -35,134 +62,56 @@ from tracerl.types import (
 
 __all__ = ["SqliteStore"]
 
-_SCHEMA = """
-CREATE TABLE IF NOT EXISTS tasks (
-    id TEXT PRIMARY KEY, input TEXT NOT NULL, answer TEXT NOT NULL, split TEXT NOT NULL);
-CREATE INDEX IF NOT EXISTS tasks_split ON tasks (split);
-CREATE TABLE IF NOT EXISTS rollouts (
-    id TEXT PRIMARY KEY, task_id TEXT NOT NULL REFERENCES tasks (id), status TEXT NOT NULL,
-    attempt INTEGER NOT NULL, max_attempts INTEGER NOT NULL, group_id TEXT, runner_id TEXT,
-    lease_expires_at REAL, created_at REAL NOT NULL, started_at REAL, finished_at REAL,
-    answer TEXT, reward REAL, error TEXT);
-CREATE INDEX IF NOT EXISTS rollouts_claim ON rollouts (status, created_at);
-CREATE INDEX IF NOT EXISTS rollouts_lease ON rollouts (status, lease_expires_at);
-CREATE INDEX IF NOT EXISTS rollouts_group ON rollouts (group_id);
-CREATE INDEX IF NOT EXISTS rollouts_task ON rollouts (task_id);
-CREATE TABLE IF NOT EXISTS spans (
-    id TEXT PRIMARY KEY, rollout_id TEXT NOT NULL REFERENCES rollouts (id),
-    attempt INTEGER NOT NULL, seq INTEGER NOT NULL, role TEXT NOT NULL,
-    policy_version INTEGER NOT NULL, prompt_ids BLOB NOT NULL, completion_ids BLOB NOT NULL,
-    logprobs BLOB NOT NULL, messages TEXT NOT NULL, response TEXT NOT NULL,
-    finish_reason TEXT NOT NULL, temperature REAL NOT NULL, prefix_reused INTEGER NOT NULL,
-    prefix_break TEXT, parent_span_id TEXT, latency_s REAL NOT NULL, created_at REAL NOT NULL);
-CREATE UNIQUE INDEX IF NOT EXISTS spans_order ON spans (rollout_id, attempt, seq);
-CREATE TABLE IF NOT EXISTS rewards (
-    rollout_id TEXT NOT NULL REFERENCES rollouts (id), attempt INTEGER NOT NULL,
-    value REAL NOT NULL, span_seq INTEGER, role TEXT, name TEXT NOT NULL,
-    created_at REAL NOT NULL);
-CREATE INDEX IF NOT EXISTS rewards_attempt ON rewards (rollout_id, attempt);
-CREATE TABLE IF NOT EXISTS versions (
-    role TEXT NOT NULL, version INTEGER NOT NULL, path TEXT NOT NULL, created_at REAL NOT NULL,
-    PRIMARY KEY (role, version));
-"""
-
-# Column order equals field order of the records, so rows zip straight into them.
-_ROLLOUT_COLS = tuple(Rollout.model_fields)
-_SPAN_COLS = tuple(Span.model_fields)
-_REWARD_COLS = tuple(Reward.model_fields)
-_SELECT_ROLLOUT = f"SELECT {', '.join(_ROLLOUT_COLS)} FROM rollouts"
-_MUTABLE = tuple(c for c in _ROLLOUT_COLS if c not in ("id", "task_id", "max_attempts"))
-_UPDATE_ROLLOUT = (
-    f"UPDATE rollouts SET {', '.join(f'{c} = ?' for c in _MUTABLE)} WHERE id = ? AND status = ?"
-)
-_INSERT_SPAN = (
-    f"INSERT INTO spans ({', '.join(_SPAN_COLS)}) VALUES ({', '.join('?' * len(_SPAN_COLS))})"
-)
-_INSERT_REWARD = (
-    f"INSERT INTO rewards ({', '.join(_REWARD_COLS)}) VALUES ({', '.join('?' * len(_REWARD_COLS))})"
-)
-
-
-_ADDED_COLUMNS = {"rewards": {"role": "TEXT"}}
-"""Columns added after a table was first shipped: files written before get them on open."""
-
-
-def _add_missing_columns(db: sqlite3.Connection) -> None:
-    for table, columns in _ADDED_COLUMNS.items():
-        have = {row[1] for row in db.execute(f"PRAGMA table_info({table})")}
-        for name, kind in columns.items():
-            if name not in have:
-                db.execute(f"ALTER TABLE {table} ADD COLUMN {name} {kind}")
-
-
-def _json(value: object) -> str:
-    # Sorted keys: identical tasks serialize identically, so re-adding one is detected.
-    return orjson.dumps(value, option=orjson.OPT_SORT_KEYS).decode()
-
-
-def _rollout(row: Sequence[object]) -> Rollout:
-    return Rollout.model_validate(dict(zip(_ROLLOUT_COLS, row, strict=True)))
-
-
-def _span_row(s: Span) -> tuple[object, ...]:
-    return (
-        s.id, s.rollout_id, s.attempt, s.seq, s.role, s.policy_version,
-        pack_ids(s.prompt_ids), pack_ids(s.completion_ids), pack_floats(s.logprobs),
-        # Key order kept (not _json): messages read back exactly as the agent sent them.
-        orjson.dumps(s.messages).decode(), orjson.dumps(s.response).decode(),
-        s.finish_reason, s.temperature, s.prefix_reused, s.prefix_break, s.parent_span_id, s.latency_s, s.created_at,
-    )  # fmt: skip
-
-
-def _span(row: Sequence[object]) -> Span:
-    fields: dict[str, Any] = dict(zip(_SPAN_COLS, row, strict=True))
-    fields["prompt_ids"] = unpack_ids(fields["prompt_ids"])
-    fields["completion_ids"] = unpack_ids(fields["completion_ids"])
-    fields["logprobs"] = unpack_floats(fields["logprobs"])
-    fields["messages"] = orjson.loads(fields["messages"])
-    fields["response"] = orjson.loads(fields["response"])
-    # Validated on the way in; re-validating thousands of ids per read would be waste.
-    return Span.model_construct(**fields)
-
 
 class SqliteStore:
-    """The Store protocol on SQLite; safe to share between threads."""
+    """The Store protocol on SQLite; safe to share between threads (see the module doc)."""
 
     def __init__(self, path: str | Path = ":memory:") -> None:
         self.path = str(path)
         # isolation_level=None: we issue BEGIN/COMMIT ourselves, one transaction per call.
+        # check_same_thread=False: many threads use it, serialised by _lock (module doc).
         self._db = sqlite3.connect(self.path, check_same_thread=False, isolation_level=None)
+        # Reentrant so that a nested _tx fails loudly in SQLite instead of deadlocking.
         self._lock = threading.RLock()
+        self._closed = False
         self._db.execute("PRAGMA busy_timeout = 10000")  # another process may hold the file
         self._db.execute("PRAGMA journal_mode = WAL")
         # NORMAL under WAL: a committed write survives a process crash, not a power cut.
         self._db.execute("PRAGMA synchronous = NORMAL")
         self._db.execute("PRAGMA foreign_keys = ON")
         with self._tx() as db:
-            for statement in _SCHEMA.split(";"):  # executescript would commit mid-transaction
+            for statement in SCHEMA.split(";"):  # executescript would commit mid-transaction
                 db.execute(statement)
-            _add_missing_columns(db)
+            add_missing_columns(db)
 
-    # -- plumbing -------------------------------------------------------------------------
+    # -- plumbing: the only two ways to the connection ------------------------------------
 
     @contextmanager
     def _tx(self) -> Iterator[sqlite3.Connection]:
         """One write transaction, taken before reading so nobody changes what we read."""
-        with self._lock:
-            self._db.execute("BEGIN IMMEDIATE")
+        with self._read() as db:
+            db.execute("BEGIN IMMEDIATE")
             try:
-                yield self._db
-                self._db.execute("COMMIT")
+                yield db
+                db.execute("COMMIT")
             except BaseException:
-                if self._db.in_transaction:
-                    self._db.execute("ROLLBACK")
+                if db.in_transaction:
+                    db.execute("ROLLBACK")
                 raise
 
+    @contextmanager
+    def _read(self) -> Iterator[sqlite3.Connection]:
+        """The connection, held by this thread alone until the block ends (fetch inside)."""
+        with self._lock:
+            if self._closed:
+                raise StoreError(f"the store {self.path} is closed")
+            yield self._db
+
     def _get(self, db: sqlite3.Connection, rollout_id: str) -> Rollout:
-        row = db.execute(f"{_SELECT_ROLLOUT} WHERE id = ?", (rollout_id,)).fetchone()
+        row = db.execute(f"{SELECT_ROLLOUT} WHERE id = ?", (rollout_id,)).fetchone()
         if row is None:
             raise NotFound(f"no rollout {rollout_id!r}")
-        return _rollout(row)
+        return rollout_from_row(row)
 
     def _transition(
         self, db: sqlite3.Connection, r: Rollout, to: RolloutStatus, **changes: object
@@ -173,8 +122,8 @@ class SqliteStore:
                 f"rollout {r.id}: {r.status.value} -> {to.value} is not allowed"
             )
         new = r.model_copy(update={"status": to, **changes})
-        values = [getattr(new, c) for c in _MUTABLE]
-        cur = db.execute(_UPDATE_ROLLOUT, (*values, r.id, r.status.value))
+        values = [getattr(new, c) for c in MUTABLE]
+        cur = db.execute(UPDATE_ROLLOUT, (*values, r.id, r.status.value))
         if cur.rowcount != 1:  # another process changed it between our read and write
             raise InvalidTransition(f"rollout {r.id} changed concurrently")
         return new
@@ -194,7 +143,7 @@ class SqliteStore:
     def add_tasks(self, tasks: list[Task]) -> None:
         with self._tx() as db:
             for t in tasks:
-                row = (t.id, _json(t.input), _json(t.answer), t.split)
+                row = task_row(t)
                 cur = db.execute(
                     "INSERT INTO tasks VALUES (?, ?, ?, ?) ON CONFLICT (id) DO NOTHING", row
                 )
@@ -204,18 +153,18 @@ class SqliteStore:
                         raise Conflict(f"task {t.id!r} already exists with different content")
 
     def get_task(self, task_id: str) -> Task:
-        with self._lock:
-            row = self._db.execute("SELECT * FROM tasks WHERE id = ?", (task_id,)).fetchone()
+        with self._read() as db:
+            row = db.execute("SELECT * FROM tasks WHERE id = ?", (task_id,)).fetchone()
         if row is None:
             raise NotFound(f"no task {task_id!r}")
-        return _task(row)
+        return task_from_row(row)
 
     def tasks(self, split: str | None = None) -> list[Task]:
-        with self._lock:
-            rows = self._db.execute(
+        with self._read() as db:
+            rows = db.execute(
                 "SELECT * FROM tasks WHERE ?1 IS NULL OR split = ?1 ORDER BY rowid", (split,)
             ).fetchall()
-        return [_task(r) for r in rows]
+        return [task_from_row(r) for r in rows]
 
     # -- rollout lifecycle ----------------------------------------------------------------
 
@@ -246,11 +195,7 @@ class SqliteStore:
             }
             if missing := [t for t in wanted if t not in found]:
                 raise NotFound(f"no task {missing[0]!r}")
-            db.executemany(
-                f"INSERT INTO rollouts ({', '.join(_ROLLOUT_COLS)}) "
-                f"VALUES ({', '.join('?' * len(_ROLLOUT_COLS))})",
-                [[getattr(r, c) for c in _ROLLOUT_COLS] for r in new],
-            )
+            db.executemany(INSERT_ROLLOUT, [[getattr(r, c) for c in ROLLOUT_COLS] for r in new])
         return new
 
     def claim(self, runner_id: str, n: int = 1, lease_s: float = 30.0) -> list[Rollout]:
@@ -260,7 +205,7 @@ class SqliteStore:
             now = time.time()
             self._requeue_expired(db, now)
             rows = db.execute(
-                f"{_SELECT_ROLLOUT} WHERE status = 'queued' ORDER BY created_at, rowid LIMIT ?",
+                f"{SELECT_ROLLOUT} WHERE status = 'queued' ORDER BY created_at, rowid LIMIT ?",
                 (n,),
             ).fetchall()
             return [
@@ -274,7 +219,7 @@ class SqliteStore:
                     lease_expires_at=now + lease_s,
                     error=None,
                 )
-                for r in map(_rollout, rows)
+                for r in map(rollout_from_row, rows)
             ]
 
     def heartbeat(self, rollout_id: str, attempt: int, lease_s: float = 30.0) -> Rollout:
@@ -285,8 +230,8 @@ class SqliteStore:
             return r.model_copy(update={"lease_expires_at": expires})
 
     def get_rollout(self, rollout_id: str) -> Rollout:
-        with self._lock:
-            return self._get(self._db, rollout_id)
+        with self._read() as db:
+            return self._get(db, rollout_id)
 
     def finish(
         self,
@@ -317,7 +262,7 @@ class SqliteStore:
             )  # fmt: skip
             if reward is not None:
                 final = Reward(rollout_id=rollout_id, attempt=attempt, value=reward, created_at=now)
-                db.execute(_INSERT_REWARD, [getattr(final, c) for c in _REWARD_COLS])
+                db.execute(INSERT_REWARD, [getattr(final, c) for c in REWARD_COLS])
             return new
 
     def requeue_expired(self, now: float | None = None) -> list[Rollout]:
@@ -326,10 +271,10 @@ class SqliteStore:
 
     def _requeue_expired(self, db: sqlite3.Connection, now: float) -> list[Rollout]:
         rows = db.execute(
-            f"{_SELECT_ROLLOUT} WHERE status = 'running' AND lease_expires_at < ?", (now,)
+            f"{SELECT_ROLLOUT} WHERE status = 'running' AND lease_expires_at < ?", (now,)
         ).fetchall()
         out = []
-        for r in map(_rollout, rows):
+        for r in map(rollout_from_row, rows):
             changes: dict[str, object] = {"error": "lease expired"}
             to = RolloutStatus.queued
             if r.attempt >= r.max_attempts:
@@ -353,17 +298,17 @@ class SqliteStore:
             if val is not None:
                 where.append(f"{col} = ?")
                 args.append(val)
-        sql = _SELECT_ROLLOUT + (f" WHERE {' AND '.join(where)}" if where else "")
+        sql = SELECT_ROLLOUT + (f" WHERE {' AND '.join(where)}" if where else "")
         sql += " ORDER BY created_at, rowid"
         if limit is not None:
             sql += f" LIMIT {int(limit)}"
-        with self._lock:
-            rows = self._db.execute(sql, args).fetchall()
-        return [_rollout(r) for r in rows]
+        with self._read() as db:
+            rows = db.execute(sql, args).fetchall()
+        return [rollout_from_row(r) for r in rows]
 
     def counts(self) -> dict[str, int]:
-        with self._lock:
-            rows = self._db.execute("SELECT status, COUNT(*) FROM rollouts GROUP BY status")
+        with self._read() as db:
+            rows = db.execute("SELECT status, COUNT(*) FROM rollouts GROUP BY status")
             found = dict(rows.fetchall())
         return {s.value: found.get(s.value, 0) for s in RolloutStatus}
 
@@ -373,39 +318,39 @@ class SqliteStore:
         self.add_spans([span])
 
     def add_spans(self, spans: list[Span]) -> None:
-        rows = [_span_row(s) for s in spans]  # pack outside the lock
+        rows = [span_row(s) for s in spans]  # pack outside the lock
         with self._tx() as db:
             for rollout_id, attempt in {(s.rollout_id, s.attempt) for s in spans}:
                 self._running(db, rollout_id, attempt)
             try:
-                db.executemany(_INSERT_SPAN, rows)
+                db.executemany(INSERT_SPAN, rows)
             except sqlite3.IntegrityError as e:
                 raise Conflict(f"span id or (rollout, attempt, seq) already recorded: {e}") from e
 
     def add_reward(self, reward: Reward) -> None:
         with self._tx() as db:
             self._running(db, reward.rollout_id, reward.attempt)
-            db.execute(_INSERT_REWARD, [getattr(reward, c) for c in _REWARD_COLS])
+            db.execute(INSERT_REWARD, [getattr(reward, c) for c in REWARD_COLS])
 
     def spans(self, rollout_id: str, attempt: int | None = None) -> list[Span]:
-        with self._lock:
-            a = self._get(self._db, rollout_id).attempt if attempt is None else attempt
-            rows = self._db.execute(
-                f"SELECT {', '.join(_SPAN_COLS)} FROM spans "
+        with self._read() as db:
+            a = self._get(db, rollout_id).attempt if attempt is None else attempt
+            rows = db.execute(
+                f"SELECT {', '.join(SPAN_COLS)} FROM spans "
                 "WHERE rollout_id = ? AND attempt = ? ORDER BY seq",
                 (rollout_id, a),
             ).fetchall()
-        return [_span(r) for r in rows]
+        return [span_from_row(r) for r in rows]
 
     def rewards(self, rollout_id: str, attempt: int | None = None) -> list[Reward]:
-        with self._lock:
-            a = self._get(self._db, rollout_id).attempt if attempt is None else attempt
-            rows = self._db.execute(
-                f"SELECT {', '.join(_REWARD_COLS)} FROM rewards "
+        with self._read() as db:
+            a = self._get(db, rollout_id).attempt if attempt is None else attempt
+            rows = db.execute(
+                f"SELECT {', '.join(REWARD_COLS)} FROM rewards "
                 "WHERE rollout_id = ? AND attempt = ? ORDER BY rowid",
                 (rollout_id, a),
             ).fetchall()
-        return [Reward.model_validate(dict(zip(_REWARD_COLS, r, strict=True))) for r in rows]
+        return [reward_from_row(r) for r in rows]
 
     # -- policy versions ------------------------------------------------------------------
 
@@ -423,8 +368,8 @@ class SqliteStore:
                 )
 
     def latest_version(self, role: str = "policy") -> PolicyVersion | None:
-        with self._lock:
-            row = self._db.execute(
+        with self._read() as db:
+            row = db.execute(
                 "SELECT role, version, path, created_at FROM versions WHERE role = ? "
                 "ORDER BY version DESC LIMIT 1",
                 (role,),
@@ -434,18 +379,11 @@ class SqliteStore:
         return PolicyVersion(role=row[0], version=row[1], path=row[2], created_at=row[3])
 
     def close(self) -> None:
+        """Close the connection once; later calls (from any thread) raise StoreError."""
         with self._lock:
-            self._db.close()
-
-
-def _task(row: Sequence[object]) -> Task:
-    task_id, input_json, answer_json, split = row
-    return Task(
-        id=task_id,  # type: ignore[arg-type]
-        input=orjson.loads(input_json),  # type: ignore[arg-type]
-        answer=orjson.loads(answer_json),  # type: ignore[arg-type]
-        split=split,  # type: ignore[arg-type]
-    )
+            if not self._closed:
+                self._closed = True
+                self._db.close()
 
 
 if TYPE_CHECKING:  # mypy checks every signature against the Store protocol

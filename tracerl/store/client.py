@@ -1,0 +1,165 @@
+"""StoreClient: the Store protocol over HTTP, for runners and tools on other machines.
+
+It has the same methods and return types as SqliteStore and raises the same StoreError
+subclasses (named in the server's error JSON), so code written against Store works
+unchanged. The server side is http.py; what both send is wire.py.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import TYPE_CHECKING
+
+import httpx
+import orjson
+from pydantic import BaseModel
+
+from tracerl.store import StoreError
+from tracerl.store.wire import (
+    COUNTS,
+    ERRORS,
+    REWARDS,
+    ROLLOUTS,
+    SPANS,
+    TASKS,
+    VERSION,
+    ClaimRequest,
+    EnqueueRequest,
+    FinishRequest,
+    HeartbeatRequest,
+    RequeueRequest,
+)
+from tracerl.types import PolicyVersion, Reward, Rollout, RolloutStatus, Span, Task
+
+if TYPE_CHECKING:
+    from tracerl.store import Store
+
+__all__ = ["StoreClient"]
+
+
+def _raise_for(resp: httpx.Response) -> None:
+    """Raise the StoreError subclass named in the error JSON (StoreError for anything else)."""
+    try:
+        err = orjson.loads(resp.content)["error"]
+        kind, message = str(err["type"]), str(err["message"])
+    except (orjson.JSONDecodeError, KeyError, TypeError):
+        kind, message = "", resp.text
+    if kind in ERRORS:
+        raise ERRORS[kind](message)
+    raise StoreError(f"HTTP {resp.status_code} ({kind or 'no error type'}): {message}")
+
+
+class StoreClient:
+    """A Store reached over HTTP; thread-safe, one keep-alive connection pool."""
+
+    def __init__(self, base_url: str, timeout: float = 30.0) -> None:
+        """`base_url` is the server root (http://host:port); a trailing /store is accepted."""
+        root = base_url.rstrip("/").removesuffix("/store")
+        self._http = httpx.Client(base_url=f"{root}/store", timeout=timeout)
+
+    def _call(
+        self,
+        method: str,
+        path: str,
+        content: bytes | None = None,
+        params: Mapping[str, str | int] | None = None,
+    ) -> bytes:
+        headers = {"content-type": "application/json"} if content is not None else None
+        resp = self._http.request(method, path, content=content, params=params, headers=headers)
+        if resp.status_code >= 400:
+            _raise_for(resp)
+        return resp.content
+
+    def _post(self, path: str, body: BaseModel) -> bytes:
+        return self._call("POST", path, body.model_dump_json().encode())
+
+    def add_tasks(self, tasks: list[Task]) -> None:
+        self._call("POST", "/tasks", TASKS.dump_json(tasks))
+
+    def get_task(self, task_id: str) -> Task:
+        return Task.model_validate_json(self._call("GET", f"/tasks/{task_id}"))
+
+    def tasks(self, split: str | None = None) -> list[Task]:
+        params = None if split is None else {"split": split}
+        return TASKS.validate_json(self._call("GET", "/tasks", params=params))
+
+    def enqueue(
+        self, task_ids: list[str], group_id: str | None = None, max_attempts: int = 3
+    ) -> list[Rollout]:
+        body = EnqueueRequest(task_ids=task_ids, group_id=group_id, max_attempts=max_attempts)
+        return ROLLOUTS.validate_json(self._post("/rollouts", body))
+
+    def claim(self, runner_id: str, n: int = 1, lease_s: float = 30.0) -> list[Rollout]:
+        body = ClaimRequest(runner_id=runner_id, n=n, lease_s=lease_s)
+        return ROLLOUTS.validate_json(self._post("/claim", body))
+
+    def heartbeat(self, rollout_id: str, attempt: int, lease_s: float = 30.0) -> Rollout:
+        body = HeartbeatRequest(attempt=attempt, lease_s=lease_s)
+        return Rollout.model_validate_json(self._post(f"/rollouts/{rollout_id}/heartbeat", body))
+
+    def get_rollout(self, rollout_id: str) -> Rollout:
+        return Rollout.model_validate_json(self._call("GET", f"/rollouts/{rollout_id}"))
+
+    def add_span(self, span: Span) -> None:
+        self.add_spans([span])
+
+    def add_spans(self, spans: list[Span]) -> None:
+        self._call("POST", "/spans", SPANS.dump_json(spans))
+
+    def add_reward(self, reward: Reward) -> None:
+        self._call("POST", "/rewards", reward.model_dump_json().encode())
+
+    def finish(
+        self,
+        rollout_id: str,
+        attempt: int,
+        status: RolloutStatus,
+        answer: str | None = None,
+        reward: float | None = None,
+        error: str | None = None,
+    ) -> Rollout:
+        body = FinishRequest(
+            attempt=attempt, status=status, answer=answer, reward=reward, error=error
+        )
+        return Rollout.model_validate_json(self._post(f"/rollouts/{rollout_id}/finish", body))
+
+    def spans(self, rollout_id: str, attempt: int | None = None) -> list[Span]:
+        params = None if attempt is None else {"attempt": attempt}
+        return SPANS.validate_json(
+            self._call("GET", f"/rollouts/{rollout_id}/spans", params=params)
+        )
+
+    def rewards(self, rollout_id: str, attempt: int | None = None) -> list[Reward]:
+        params = None if attempt is None else {"attempt": attempt}
+        content = self._call("GET", f"/rollouts/{rollout_id}/rewards", params=params)
+        return REWARDS.validate_json(content)
+
+    def rollouts(
+        self,
+        status: RolloutStatus | None = None,
+        group_id: str | None = None,
+        task_id: str | None = None,
+        limit: int | None = None,
+    ) -> list[Rollout]:
+        given = {"status": status, "group_id": group_id, "task_id": task_id, "limit": limit}
+        params = {k: v for k, v in given.items() if v is not None}
+        return ROLLOUTS.validate_json(self._call("GET", "/rollouts", params=params))
+
+    def requeue_expired(self, now: float | None = None) -> list[Rollout]:
+        return ROLLOUTS.validate_json(self._post("/requeue_expired", RequeueRequest(now=now)))
+
+    def publish_version(self, pv: PolicyVersion) -> None:
+        self._post("/versions", pv)
+
+    def latest_version(self, role: str = "policy") -> PolicyVersion | None:
+        return VERSION.validate_json(self._call("GET", "/versions/latest", params={"role": role}))
+
+    def counts(self) -> dict[str, int]:
+        return COUNTS.validate_json(self._call("GET", "/counts"))
+
+    def close(self) -> None:
+        self._http.close()
+
+
+if TYPE_CHECKING:  # mypy checks every signature against the Store protocol
+    _: Store = StoreClient("")

@@ -1,0 +1,175 @@
+"""What crosses the store's HTTP API: request bodies, codecs, bounds, and error names.
+
+Shared by the server (http.py) and the client (client.py), so the two cannot drift. Every
+integer a request carries is bounded here, before it reaches SQLite (whose INTEGER is 64
+bits) or the int32 token packing: an out-of-range value is a 422 naming the field, never a
+500 from deep inside the store.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field, TypeAdapter
+
+from tracerl.store import Conflict, InvalidTransition, LeaseLost, NotFound, StoreError
+from tracerl.types import PolicyVersion, Reward, Rollout, RolloutStatus, Span, Task
+
+__all__ = [
+    "ATTEMPT_MAX",
+    "LIMIT_MAX",
+    "ClaimRequest",
+    "EnqueueRequest",
+    "FinishRequest",
+    "HeartbeatRequest",
+    "RequeueRequest",
+    "out_of_range",
+]
+
+ATTEMPT_MAX = 2**31
+"""Attempts (and the other counters a record holds: seq, version) are below this."""
+LIMIT_MAX = 100_000
+"""Most rollouts one GET /store/rollouts lists."""
+_JSON_INT = 2**63
+"""JSON payloads (task inputs, messages) are stored as text by orjson: ints fit 64 bits."""
+
+
+class _Body(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+
+class EnqueueRequest(_Body):
+    """Body of POST /store/rollouts."""
+
+    task_ids: list[str]
+    """One rollout per entry; repeat an id for several rollouts of one task."""
+    group_id: str | None = None
+    """Group the new rollouts share."""
+    max_attempts: int = Field(3, ge=1, lt=ATTEMPT_MAX)
+    """Attempts before an expiring lease times the rollout out."""
+
+
+class ClaimRequest(_Body):
+    """Body of POST /store/claim."""
+
+    runner_id: str
+    """Who takes the leases."""
+    n: int = Field(1, ge=1, le=10_000)
+    """Most rollouts to claim."""
+    lease_s: float = Field(30.0, gt=0, allow_inf_nan=False)
+    """Lease length; heartbeat before it runs out."""
+
+
+class HeartbeatRequest(_Body):
+    """Body of POST /store/rollouts/{id}/heartbeat."""
+
+    attempt: int = Field(ge=0, lt=ATTEMPT_MAX)
+    """The attempt the caller holds."""
+    lease_s: float = Field(30.0, gt=0, allow_inf_nan=False)
+    """New lease length from now."""
+
+
+class FinishRequest(_Body):
+    """Body of POST /store/rollouts/{id}/finish."""
+
+    attempt: int = Field(ge=0, lt=ATTEMPT_MAX)
+    """The attempt the caller holds."""
+    status: RolloutStatus
+    """Final status: succeeded, failed or timed_out."""
+    answer: str | None = None
+    """The agent's final answer."""
+    reward: float | None = None
+    """Final reward, also stored as a Reward record."""
+    error: str | None = None
+    """Why it failed."""
+
+
+class RequeueRequest(_Body):
+    """Body of POST /store/requeue_expired."""
+
+    now: float | None = Field(None, allow_inf_nan=False)
+    """Clock to compare leases against; None for the server's time."""
+
+
+TASKS = TypeAdapter(list[Task])
+ROLLOUTS = TypeAdapter(list[Rollout])
+SPANS = TypeAdapter(list[Span])
+REWARDS = TypeAdapter(list[Reward])
+VERSION = TypeAdapter(PolicyVersion | None)
+COUNTS = TypeAdapter(dict[str, int])
+ENQUEUE = TypeAdapter(EnqueueRequest)
+CLAIM = TypeAdapter(ClaimRequest)
+HEARTBEAT = TypeAdapter(HeartbeatRequest)
+FINISH = TypeAdapter(FinishRequest)
+REQUEUE = TypeAdapter(RequeueRequest)
+REWARD = TypeAdapter(Reward)
+PV = TypeAdapter(PolicyVersion)
+
+STATUS: dict[type[StoreError], int] = {
+    NotFound: 404,
+    InvalidTransition: 409,
+    LeaseLost: 409,
+    Conflict: 409,
+}
+"""HTTP status of each StoreError; any other StoreError is a 400."""
+ERRORS: dict[str, type[StoreError]] = {c.__name__: c for c in (*STATUS, StoreError)}
+"""Error type names on the wire -> the class the client raises."""
+
+
+_COUNTERS = frozenset(
+    {"attempt", "seq", "span_seq", "policy_version", "prefix_reused", "version"}
+    | {"prompt_ids", "completion_ids"}
+)
+"""Integer fields of the records a body carries (Span, Reward, PolicyVersion), and the
+token id lists, all held below ATTEMPT_MAX (ids are packed as int32)."""
+
+Loc = tuple[str | int, ...]
+
+
+def out_of_range(value: Any, loc: Loc = ("body",)) -> dict[str, Any] | None:
+    """The first integer in a parsed body outside its bound, as a validation error entry.
+
+    A record's counters (_COUNTERS) lie in [-ATTEMPT_MAX, ATTEMPT_MAX) (policy_version -1
+    marks a remote role's span); integers anywhere else (a task's input or answer, a span's
+    messages) are JSON payload and only need to fit the 64 bits orjson and SQLite hold.
+    """
+    if isinstance(value, BaseModel):
+        for name, field in value:
+            bound = ATTEMPT_MAX if name in _COUNTERS else _JSON_INT
+            if error := _ints(field, (*loc, name), bound):
+                return error
+        return None
+    if isinstance(value, list):
+        for i, item in enumerate(value):
+            if error := out_of_range(item, (*loc, i)):
+                return error
+        return None
+    return _ints(value, loc, _JSON_INT)
+
+
+def _ints(value: Any, loc: Loc, bound: int) -> dict[str, Any] | None:
+    """The first int in a JSON-like value outside [-bound, bound)."""
+    if isinstance(value, list) and _numbers_within(value, bound):
+        return None  # token ids and log-probs: thousands of items, checked in C
+    if type(value) is int:
+        if -bound <= value < bound:
+            return None
+        power = bound.bit_length() - 1
+        return {"loc": loc, "msg": f"integer out of range [-2**{power}, 2**{power})"}
+    children: list[tuple[str | int, Any]] = []
+    if isinstance(value, dict):
+        children = [(str(k), v) for k, v in value.items()]
+    elif isinstance(value, list):
+        children = list(enumerate(value))
+    for key, child in children:
+        if error := _ints(child, (*loc, key), bound):
+            return error
+    return None
+
+
+def _numbers_within(values: list[Any], bound: int) -> bool:
+    """True when every item is a number in [-bound, bound); False means walk them."""
+    try:
+        return not values or (-bound <= min(values) and max(values) < bound)
+    except TypeError:  # not all numbers (messages, strings): walk the items
+        return False
