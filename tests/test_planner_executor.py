@@ -114,7 +114,7 @@ class RoleEngine:
             policy_version=self.policy_version,
         )
 
-    def load_weights(self, path: str, version: int) -> None:
+    def load_state_dict(self, state: dict, version: int) -> None:
         self.policy_version = version
 
     def close(self) -> None:

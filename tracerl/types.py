@@ -128,14 +128,14 @@ class Span(_Record):
     """Unique id."""
     rollout_id: str
     """The rollout this call belongs to."""
-    attempt: int
+    attempt: int = Field(ge=0, lt=2**31)
     """The rollout attempt during which the call was made."""
-    seq: int
+    seq: int = Field(ge=0, lt=2**31)
     """Order of the call within the attempt, from 0."""
     role: str
     """The `model` name the agent asked for: which policy or frozen model answered."""
-    policy_version: int
-    """Version of the weights that sampled the completion."""
+    policy_version: int = Field(ge=-1, lt=2**31)
+    """Version of the weights that sampled the completion (-1: a remote role's text)."""
     prompt_ids: list[int]
     """Exact token ids the engine was given."""
     completion_ids: list[int]
@@ -152,7 +152,7 @@ class Span(_Record):
     """'stop' (end token or stop string), 'length' (max_tokens) or 'tool_calls'."""
     temperature: float = 1.0
     """Sampling temperature the log-probs were taken at."""
-    prefix_reused: int = 0
+    prefix_reused: int = Field(default=0, ge=0, lt=2**31)
     """How many leading prompt ids were taken verbatim from the previous call of this
     rollout and role (token-in/token-out); 0 for a first call or after a prefix break."""
     prefix_break: str | None = None
@@ -171,11 +171,11 @@ class Reward(_Record):
 
     rollout_id: str
     """The rollout it rewards."""
-    attempt: int
+    attempt: int = Field(ge=0, lt=2**31)
     """The attempt it rewards; rewards of abandoned attempts are ignored."""
     value: float
     """The reward."""
-    span_seq: int | None = None
+    span_seq: int | None = Field(default=None, ge=0, lt=2**31)
     """For a per-step reward, the seq of the span it rewards; None for the final reward."""
     role: str | None = None
     """For a per-role final reward, the role it credits: that role's rows take it instead
@@ -236,7 +236,7 @@ class Group(_Record):
 class PolicyVersion(_Record):
     """A published version of a trainable policy's weights."""
 
-    version: int
+    version: int = Field(ge=0, lt=2**31)
     """Monotonic version number; 0 is the initial model."""
     path: str = ""
     """The checkpoint's model dir holding these weights, recorded only once that
