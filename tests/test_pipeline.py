@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from tracerl.cli import _merge
+from tracerl.entrypoints.train import merge as _merge
 from tracerl.pipeline.sources import TaskOrder
 from tracerl.pipeline.step import Checkpoints
 from tracerl.trainer.trainer import Trainer, TrainerConfig
