@@ -186,7 +186,9 @@ def test_two_folders_with_the_same_file_names_load_side_by_side(tmp_path: Path) 
     a, b = (load_callable(f"{agent}:run") for agent in _two_examples(tmp_path))
     assert (a({}), b({})) == ("a", "b")
     assert sys.path == path_before
-    assert "tasks" not in sys.modules and "agent" not in sys.modules
+    # Each under a name of its own, never the bare `agent` / `tasks` another test may hold.
+    assert len({a.__module__, b.__module__, "agent"}) == 3
+    assert getattr(sys.modules.get("tasks"), "VALUE", None) not in ("a", "b")
     assert load_callable(f"{tmp_path / 'a' / 'agent.py'}:run") is a  # loaded once
 
 
