@@ -58,12 +58,14 @@ from agent import SYSTEM_PROMPT, TOOLS  # noqa: E402
 from tasks import make_tasks  # noqa: E402
 
 from tracerl.algorithms.config import AlgorithmConfig  # noqa: E402
+from tracerl.algorithms.curation import Curation  # noqa: E402
 from tracerl.demo import ensure_calculator_model  # noqa: E402
 from tracerl.engines.config import EngineConfig  # noqa: E402
 from tracerl.gateway.chat import parse_reply  # noqa: E402
+from tracerl.pipeline.checkpoints import Checkpoints  # noqa: E402
 from tracerl.pipeline.config import PipelineConfig  # noqa: E402
-from tracerl.pipeline.sources import TaskOrder  # noqa: E402
-from tracerl.pipeline.step import Checkpoints, Pipeline, Policy, make_source  # noqa: E402
+from tracerl.pipeline.sources import Agents, SyncSource, TaskOrder  # noqa: E402
+from tracerl.pipeline.step import Pipeline, Policy  # noqa: E402
 from tracerl.runner import RunnerConfig, python_agent  # noqa: E402
 from tracerl.stack import start_stack  # noqa: E402
 from tracerl.trainer.config import TrainerConfig  # noqa: E402
@@ -261,23 +263,18 @@ def run_tracerl(cfg: BenchConfig, model_dir: Path, work: Path) -> Curve:
             seed=cfg.seed,
         )
         trainer_cfg = TrainerConfig(lr=cfg.lr, bf16=cfg.bf16, seed=cfg.seed)
-        runner_cfg = RunnerConfig(concurrency=concurrency)
-        source = make_source(
-            "bench",
-            stack.store,
-            stack.url,
-            agent,
-            functools.partial(reward, partial=cfg.partial_credit),
-            bench_tasks(cfg),
-            pipe_cfg,
-            runner_cfg,
-        )
+        rewarder = functools.partial(reward, partial=cfg.partial_credit)
+        agents = Agents(stack.url, agent, rewarder, RunnerConfig(concurrency=concurrency))
+        order = TaskOrder(bench_tasks(cfg), pipe_cfg.tasks_per_step, pipe_cfg.seed)
+        curation = Curation([], pipe_cfg.group_size)
+        source = SyncSource("bench", stack.store, agents, order, curation)
         policy = Policy("policy", Trainer(model_dir, trainer_cfg), stack.engine, ["policy"])
         pipeline = Pipeline(
             source,
             stack.store,
             [policy],
             AlgorithmConfig().build(),
+            curation,
             Checkpoints(work / "run", keep=1),
             pipe_cfg,
         )

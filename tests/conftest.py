@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import sys
 from pathlib import Path
 
 import pytest
@@ -13,18 +12,17 @@ import pytest
 import tracerl  # noqa: F401
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "examples" / "calculator"))
 
 
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A random-init tiny model whose tokenizer knows the calculator conversations."""
-    from expert import demonstrations
-
+    from tracerl.examples import example_module
     from tracerl.models.template import render_chat
     from tracerl.models.tiny import TinyModelConfig, build_tiny_model
 
-    texts = [render_chat(d["messages"], d["tools"]) for d in demonstrations(300, seed=7)]
+    demos = example_module("calculator", "expert").demonstrations(300, seed=7)
+    texts = [render_chat(d["messages"], d["tools"]) for d in demos]
     out = tmp_path_factory.mktemp("tiny")
     return build_tiny_model(out, texts, TinyModelConfig(hidden_size=64, num_layers=2, seed=0))
 

@@ -10,9 +10,9 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
-from agent import TOOLS
 from transformers import AutoTokenizer
 
+from tracerl.examples import example_module
 from tracerl.gateway import Gateway, ServedModel, create_app
 from tracerl.server import BackgroundServer, serve_in_thread
 from tracerl.store.sqlite import SqliteStore
@@ -38,6 +38,7 @@ def _client(url: str, rollout_id: str | None = None) -> openai.OpenAI:
     return openai.OpenAI(base_url=base, api_key="x", max_retries=0)
 
 
+TOOLS = example_module("calculator", "agent").TOOLS
 MESSAGES = [
     {"role": "system", "content": "Use the calculator, then answer with the number."},
     {"role": "user", "content": "What is 37+48?"},

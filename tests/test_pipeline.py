@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from tracerl.cli import _merge
+from tracerl.entrypoints.train import merge as _merge
 from tracerl.pipeline.checkpoints import Checkpoints, PipelineState, read_ledger
 from tracerl.pipeline.sources import SourceState, TaskOrder
 from tracerl.trainer.config import TrainerConfig

@@ -171,7 +171,8 @@ def _run(stack: Stack, names: list[str], max_depth: int = 0) -> dict[str, list[S
             stack.server.url,
             python_agent(run, threads),
             reward.reward,
-            RunnerConfig(model="planner", concurrency=3),
+            RunnerConfig(concurrency=3),
+            model="planner",
         )
         asyncio.run(runner.run(until_idle=True))
     out = {}

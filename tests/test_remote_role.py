@@ -14,12 +14,12 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
-from agent import TOOLS
 from fastapi import Request
 from rich.console import Console
 from transformers import AutoTokenizer
 
 from tracerl.algorithms.transitions import spans_to_transitions
+from tracerl.examples import example_module
 from tracerl.gateway import PARENT_HEADER, Gateway, ServedModel, create_app
 from tracerl.gateway.remote import RemoteModel
 from tracerl.server import BackgroundServer, serve_in_thread
@@ -28,6 +28,7 @@ from tracerl.traces import show_rollout
 
 from .scripted import ScriptedEngine, running_rollout
 
+TOOLS = example_module("calculator", "agent").TOOLS
 KEY_ENV = "TRACERL_TEST_REMOTE_KEY"
 MESSAGES = [
     {"role": "system", "content": "Use the calculator, then answer with the number."},

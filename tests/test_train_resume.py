@@ -13,13 +13,14 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
-from tasks import make_tasks
 
+from tracerl.examples import example_module
 from tracerl.pipeline.checkpoints import read_ledger
 from tracerl.store.sqlite import SqliteStore
 from tracerl.types import RolloutStatus
 
 pytestmark = pytest.mark.slow
+make_tasks = example_module("calculator", "tasks").make_tasks
 ROOT = Path(__file__).resolve().parents[1]
 
 

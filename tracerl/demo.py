@@ -1,53 +1,50 @@
-"""The calculator demo's pieces: where the example lives and its warm-started tiny model.
+"""The calculator demo: its config (TrainConfig with the demo's defaults), its tasks, and its
+warm-started tiny model.
 
 The model is built once and cached: expert demonstrations from the example's own code,
 a tokenizer and a random-init tiny Llama trained on their text, then a supervised warm start
 in two stages that leaves the agent weak (roughly 25-35% success) so RL has room to work;
-see CalculatorRecipe for why two stages.
+see CalculatorRecipe for why two stages. The demo is then an ordinary training run: its
+resolved config names the model, a task file and the shipped example, so `tracerl train
+--resume runs/demo` continues it. Torch loads only where a model is built, so that reading
+DemoConfig (`tracerl demo --help`) stays light.
 """
 
 from __future__ import annotations
 
-import importlib.util
+import json
 import os
-import sys
 from pathlib import Path
-from types import ModuleType
+from typing import TYPE_CHECKING, Any
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from tracerl.models.sft import Demo, SftConfig, sft
-from tracerl.models.template import render_chat
-from tracerl.models.tiny import TinyModelConfig, build_tiny_model
+from tracerl.algorithms.config import CurationConfig
+from tracerl.engines.config import EngineConfig
+from tracerl.examples import example_dir, example_file, example_module
+from tracerl.pipeline.config import PipelineConfig, TrainConfig
+from tracerl.runner import RunnerConfig
+from tracerl.trainer.config import TrainerConfig
+
+if TYPE_CHECKING:
+    from tracerl.models.sft import Demo
+
+__all__ = [
+    "CalculatorRecipe",
+    "DemoConfig",
+    "cache_dir",
+    "calculator_demos",
+    "demo_run_config",
+    "ensure_calculator_model",
+    "example_dir",
+    "example_module",
+    "write_calculator_tasks",
+]
 
 
 def cache_dir() -> Path:
     """Where built models are kept: $TRACERL_HOME, else ~/.cache/tracerl."""
     return Path(os.environ.get("TRACERL_HOME", Path.home() / ".cache" / "tracerl"))
-
-
-def example_dir(name: str = "calculator") -> Path:
-    """The example folder, next to the package in a checkout, else under the cwd."""
-    for root in (Path(__file__).resolve().parents[1], Path.cwd()):
-        path = root / "examples" / name
-        if path.is_dir():
-            return path
-    raise FileNotFoundError(f"examples/{name} not found next to tracerl or in {Path.cwd()}")
-
-
-def example_module(name: str, module: str) -> ModuleType:
-    """Import examples/<name>/<module>.py by path (examples are not a package)."""
-    path = example_dir(name) / f"{module}.py"
-    key = f"tracerl_example_{name}_{module}"
-    if key in sys.modules:
-        return sys.modules[key]
-    spec = importlib.util.spec_from_file_location(key, path)
-    assert spec is not None and spec.loader is not None
-    mod = importlib.util.module_from_spec(spec)
-    sys.path.insert(0, str(path.parent))
-    sys.modules[key] = mod
-    spec.loader.exec_module(mod)
-    return mod
 
 
 class CalculatorRecipe(BaseModel):
@@ -90,6 +87,8 @@ def calculator_demos(
     n: int, seed: int, noise: float = 0.0, mistakes: tuple[str, ...] = ("echo",)
 ) -> list[Demo]:
     """Expert demonstrations written by the example's scripted expert."""
+    from tracerl.models.sft import Demo
+
     expert = example_module("calculator", "expert")
     demos = expert.demonstrations(n, seed=seed, noise=noise, mistakes=mistakes)
     return [Demo.model_validate(d) for d in demos]
@@ -97,6 +96,10 @@ def calculator_demos(
 
 def ensure_calculator_model(recipe: CalculatorRecipe | None = None, rebuild: bool = False) -> Path:
     """The weak calculator model of `recipe`, built and cached on first use (~5 min)."""
+    from tracerl.models.sft import SftConfig, sft
+    from tracerl.models.template import render_chat
+    from tracerl.models.tiny import TinyModelConfig, build_tiny_model
+
     recipe = recipe or CalculatorRecipe()
     out = cache_dir() / "models" / recipe.name()
     if (out / "config.json").exists() and not rebuild:
@@ -116,3 +119,89 @@ def ensure_calculator_model(recipe: CalculatorRecipe | None = None, rebuild: boo
     habit = SftConfig(steps=recipe.habit_steps, lr=recipe.habit_lr, seed=recipe.seed)
     sft(skilled, lazy, out, habit)
     return out
+
+
+def write_calculator_tasks(path: Path, train: int, held_out: int) -> Path:
+    """The example's tasks as one JSONL file: `train` of split "train" (seed 0), then
+    `held_out` of split "eval" (seed 1, so no held-out task is trained on)."""
+    make_tasks = example_module("calculator", "tasks").make_tasks
+    rows = make_tasks(train, "train", 0) + make_tasks(held_out, "eval", 1)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    return path
+
+
+class DemoConfig(TrainConfig):
+    """Build (or reuse) the weak tiny calculator model, evaluate the calculator agent on
+    held-out tasks, train it with RL through the gateway (the agent code unchanged), and
+    evaluate again. Every `tracerl train` field, with the demo's defaults."""
+
+    # Defaults tuned so the weak tiny model learns the calculator task in minutes on CPU.
+    name: str = "demo"
+    """Run name: outputs go to <runs>/<name>/."""
+    model: str = ""
+    """Local HF model directory to start from; default: the weak tiny calculator model of
+    `recipe`, built once and cached."""
+    agent: str = f"{example_file('calculator', 'agent')}:run"
+    """The agent: 'file.py:function', 'module:function', or 'cmd:<command line>'."""
+    reward: str | None = f"{example_file('calculator', 'reward')}:reward"
+    """Reward function 'file.py:function' called as f(task, answer)."""
+    tasks: str = ""
+    """Task file (JSONL); default: `train_tasks` + `eval_tasks` calculator tasks, written to
+    <runs>/<name>/tasks.jsonl."""
+    # A count here, where TrainConfig has a file: `--eval_tasks N` is the demo's own flag.
+    eval_tasks: int = Field(default=200, ge=1)  # type: ignore[assignment]
+    """Held-out calculator tasks generated (with a `tasks` file: its 'eval' split instead)."""
+    train_tasks: int = Field(default=2000, ge=1)
+    """Training calculator tasks generated."""
+    recipe: CalculatorRecipe = CalculatorRecipe()
+    """How the weak tiny model is built (skill SFT, then a lazy-answer bias)."""
+    rebuild: bool = False
+    """Rebuild the tiny model even if it is cached."""
+    run_async: bool = Field(default=False, alias="async")
+    """Generate while training (pipeline.mode async, max_staleness as configured)."""
+    pipeline: PipelineConfig = PipelineConfig(steps=30, eval_every=10)
+    """Scheduling."""
+    curation: CurationConfig = CurationConfig(dynamic_sampling=True)
+    """Data curation. The demo drops groups whose rollouts all got the same reward and tops
+    up with fresh tasks (DAPO): once most answers are right, the remaining copy mistakes are
+    rare, and only mixed groups carry a signal about them."""
+    trainer: TrainerConfig = TrainerConfig(
+        lr=3e-4, minibatches=2, warmup_steps=5, schedule="cosine"
+    )
+    """Policy update: lr 3e-4 with warmup, cosine decay to 10% over the run (the end of the
+    run settles instead of drifting)."""
+    runner: RunnerConfig = RunnerConfig(concurrency=64)
+    """How rollouts are run."""
+    engine: EngineConfig = EngineConfig(max_batch_size=64)
+    """How the policy is served."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _sections_keep_demo_defaults(cls, data: Any) -> Any:
+        # `--pipeline.steps 80` arrives as {"pipeline": {"steps": 80}}: the section's other
+        # fields keep the demo's defaults above, not the section class's own.
+        if not isinstance(data, dict):
+            return data
+        out = dict(data)
+        for name, field in cls.model_fields.items():
+            if isinstance(field.default, BaseModel) and isinstance(out.get(name), dict):
+                out[name] = field.default.model_dump(exclude_unset=True) | out[name]
+        return out
+
+
+_DEMO_ONLY = {"eval_tasks", "train_tasks", "recipe", "rebuild", "run_async"}
+
+
+def demo_run_config(cfg: DemoConfig) -> TrainConfig:
+    """The training run the demo is: its model built (or reused) and its task file written
+    unless given; the config saved with the run names them, so the run resumes like any."""
+    data = cfg.model_dump(exclude=_DEMO_ONLY)
+    if not cfg.model:
+        data["model"] = str(ensure_calculator_model(cfg.recipe, cfg.rebuild))
+    if not cfg.tasks:
+        out = Path(cfg.runs) / cfg.name / "tasks.jsonl"
+        data["tasks"] = str(write_calculator_tasks(out, cfg.train_tasks, cfg.eval_tasks))
+    if cfg.run_async:
+        data["pipeline"]["mode"] = "async"
+    return TrainConfig.model_validate(data)

@@ -15,6 +15,7 @@ from pathlib import Path
 from statistics import mean
 
 from pydantic import BaseModel, ValidationError
+from rich.console import Console
 from tqdm import tqdm
 
 from tracerl.runner import AgentFn, RewardFn, Runner, RunnerConfig
@@ -120,8 +121,12 @@ def run_rollouts(
     cfg: RunnerConfig | None = None,
     group_id: str | None = None,
     desc: str = "rollouts",
+    model: str = "policy",
+    threshold: float = 1.0,
 ) -> list[Rollout]:
-    """Queue repeats x tasks rollouts, run them with a runner pool, return them finished."""
+    """Queue repeats x tasks rollouts, run them with a runner pool, return them finished;
+    the agent is told to call `model` (the top role); the bar counts rewards >= threshold
+    as successes."""
     store.add_tasks(tasks)
     group_id = group_id or uuid.uuid4().hex[:12]
     queued = store.enqueue([t.id for t in tasks for _ in range(repeats)], group_id=group_id)
@@ -132,11 +137,11 @@ def run_rollouts(
         nonlocal wins
         if rollout.group_id != group_id:
             return  # another caller's rollout this pool happened to run
-        wins += int((rollout.reward or 0) >= 1.0)
+        wins += int((rollout.reward or 0) >= threshold)
         bar.update(1)
         bar.set_postfix(success=f"{wins / max(bar.n, 1):.2f}")
 
-    runner = Runner(store, gateway_url, agent, reward_fn, cfg, on_finish=tick)
+    runner = Runner(store, gateway_url, agent, reward_fn, cfg, on_finish=tick, model=model)
     try:
         asyncio.run(runner.run(until_idle=True))
     finally:
@@ -182,8 +187,36 @@ def evaluate(
     repeats: int = 1,
     cfg: RunnerConfig | None = None,
     desc: str = "eval",
+    model: str = "policy",
+    threshold: float = 1.0,
 ) -> EvalReport:
-    """Run and summarise an evaluation."""
+    """Run and summarise an evaluation; the agent is told to call `model`; success is a
+    reward >= threshold."""
     started = time.perf_counter()
-    rollouts = run_rollouts(store, gateway_url, agent, reward_fn, tasks, repeats, cfg, desc=desc)
-    return report(store, rollouts, time.perf_counter() - started)
+    rollouts = run_rollouts(
+        store, gateway_url, agent, reward_fn, tasks, repeats, cfg, desc=desc, model=model,
+        threshold=threshold,
+    )  # fmt: skip
+    return report(store, rollouts, time.perf_counter() - started, threshold)
+
+
+def print_report(rep: EvalReport, console: Console) -> None:
+    """The report as a person reads it: success first, then how the model was used."""
+    console.print(
+        f"[bold green]success {rep.success_rate:.1%}[/bold green] over {rep.rollouts} rollouts"
+        f" · mean reward {rep.mean_reward:.3f} · {rep.mean_calls:.2f} calls/rollout"
+        f" · {rep.wall_s:.1f} s"
+    )
+    console.print(
+        f"statuses {rep.statuses} · prompt {rep.mean_prompt_tokens:.0f} tok/call · "
+        f"completion {rep.mean_completion_tokens:.1f} tok/call · reused "
+        f"{rep.reused_fraction:.1%} of prompt tokens · {rep.prefix_breaks} prefix breaks "
+        f"· {rep.completion_tokens_per_s:.0f} completion tok/s"
+    )
+    if len(rep.roles) > 1:
+        for role, st in rep.roles.items():
+            console.print(
+                f"role {role}: {st.calls_per_rollout:.2f} calls/rollout · "
+                f"{st.agents_per_rollout:.2f} agents/rollout · "
+                f"{st.completion_tokens_per_call:.1f} completion tok/call"
+            )

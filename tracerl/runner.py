@@ -18,7 +18,9 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import hashlib
 import importlib
+import importlib.machinery
 import importlib.util
 import inspect
 import json
@@ -32,6 +34,7 @@ from collections.abc import Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
+from types import ModuleType
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -57,24 +60,57 @@ RewardFn = Callable[[dict[str, Any], str], float]
 """(task as in the task file, answer) -> reward."""
 
 
+def load_file(path: str | Path) -> ModuleType:
+    """Import a Python file by path, leaving sys.path alone.
+
+    The file's folder becomes a package with a name of its own (derived from the folder's
+    path), so two folders that each hold an `agent.py` and a `tasks.py` never share a module,
+    and a file imports its siblings relatively (`from . import tasks`), each its own folder's.
+    A file is executed once per process; later calls return the same module.
+    """
+    path = Path(path).resolve()
+    if not path.is_file():
+        raise FileNotFoundError(f"no such file: {path}")
+    digest = hashlib.sha1(str(path.parent).encode()).hexdigest()[:12]
+    package = f"tracerl_files.{_identifier(path.parent.name)}_{digest}"
+    _ensure_package("tracerl_files", [])
+    _ensure_package(package, [str(path.parent)])
+    name = f"{package}.{path.stem}"
+    if name in sys.modules:
+        return sys.modules[name]
+    spec = importlib.util.spec_from_file_location(name, path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    try:
+        spec.loader.exec_module(module)
+    except BaseException:
+        del sys.modules[name]  # a file that failed to import is retried, not half-loaded
+        raise
+    return module
+
+
+def _identifier(text: str) -> str:
+    return "".join(ch if ch.isalnum() else "_" for ch in text) or "_"
+
+
+def _ensure_package(name: str, search: list[str]) -> None:
+    """A package module `name` whose submodules are found in the folders `search`."""
+    if name not in sys.modules:
+        spec = importlib.machinery.ModuleSpec(name, None, is_package=True)
+        spec.submodule_search_locations = search
+        sys.modules[name] = importlib.util.module_from_spec(spec)
+
+
 def load_callable(spec: str) -> Callable[..., Any]:
     """Resolve 'path/to/file.py:name' or 'package.module:name' to the object it names."""
     target, sep, name = spec.rpartition(":")
     if not sep or not target or not name:
         raise ValueError(f"expected 'file.py:function' or 'module:function', got {spec!r}")
     if target.endswith(".py"):
-        path = Path(target).resolve()
-        if not path.is_file():
+        if not Path(target).is_file():
             raise FileNotFoundError(f"no such agent file: {target}")
-        mod_name = f"tracerl_user_{path.stem}_{abs(hash(path)):x}"
-        module = sys.modules.get(mod_name)
-        if module is None:
-            module_spec = importlib.util.spec_from_file_location(mod_name, path)
-            assert module_spec is not None and module_spec.loader is not None
-            module = importlib.util.module_from_spec(module_spec)
-            sys.path.insert(0, str(path.parent))  # so the file's sibling imports work
-            sys.modules[mod_name] = module
-            module_spec.loader.exec_module(module)
+        module = load_file(target)
     else:
         module = importlib.import_module(target)
     fn = getattr(module, name, None)
@@ -156,7 +192,7 @@ def load_agent(spec: str, threads: ThreadPoolExecutor) -> AgentFn:
 class RunnerConfig(BaseModel):
     """How a pool of workers runs rollouts."""
 
-    model_config = ConfigDict(use_attribute_docstrings=True)
+    model_config = ConfigDict(use_attribute_docstrings=True, extra="forbid")
 
     concurrency: int = Field(default=16, ge=1)
     """Rollouts in flight at once (agents are mostly waiting on the model)."""
@@ -164,8 +200,6 @@ class RunnerConfig(BaseModel):
     """Wall time one rollout may take before it is finished as timed_out."""
     lease_s: float = Field(default=30.0, gt=0)
     """Lease length; heartbeats renew it every lease_s / 3."""
-    model: str = "policy"
-    """The `model` name handed to the agent."""
     api_key: str = "tracerl"
     """The API key handed to the agent (the gateway does not check it)."""
     poll_s: float = Field(default=0.05, gt=0)
@@ -184,6 +218,7 @@ class Runner:
         cfg: RunnerConfig | None = None,
         runner_id: str | None = None,
         on_finish: Callable[[Rollout], None] | None = None,
+        model: str = "policy",
     ) -> None:
         self.store = store
         self.gateway_url = gateway_url.rstrip("/")
@@ -192,6 +227,9 @@ class Runner:
         self.cfg = cfg or RunnerConfig()
         self.id = runner_id or f"runner-{uuid.uuid4().hex[:8]}"
         self.on_finish = on_finish or (lambda r: None)
+        self.model = model
+        """The `model` name handed to the agent: the role its calls are served as (the run's
+        `model_name`)."""
         self.finished = 0
         self.busy_s = 0.0
         """Summed wall time of rollouts run (for utilisation: busy_s / (slots x wall))."""
@@ -246,7 +284,7 @@ class Runner:
         task = await asyncio.to_thread(self.store.get_task, rollout.task_id)
         base_url = f"{self.gateway_url}/rollouts/{rollout.id}/v1"
         run: asyncio.Future[AgentResult] = asyncio.ensure_future(
-            self.agent(task, base_url, self.cfg.api_key, self.cfg.model)
+            self.agent(task, base_url, self.cfg.api_key, self.model)
         )
         beat = asyncio.create_task(self._heartbeat(rollout, run))
         answer, reward, error = None, None, None

@@ -2,19 +2,47 @@
 
 Calls of a sub-agent sit under the call that spawned it (the span's parent), so a planner
 that runs executors — or itself, recursively — reads as a tree. Each call shows only the
-messages its conversation had not shown yet.
+messages its conversation had not shown yet. Each run remembers its store in
+runs/.latest_store, so `tracerl traces` reads the last run's without being told where.
 """
 
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 from rich.console import Console
 from rich.table import Table
 from rich.tree import Tree
 
 from tracerl.store import Store
+from tracerl.store.sqlite import SqliteStore
 from tracerl.types import Rollout, Span
+
+LATEST = Path("runs") / ".latest_store"
+"""Where the last run (demo, train, eval) noted its store file, relative to the cwd."""
+
+
+def remember_store(path: Path) -> None:
+    """Note `path` as the last run's store."""
+    LATEST.parent.mkdir(parents=True, exist_ok=True)
+    LATEST.write_text(str(path.resolve()))
+
+
+def open_store(path: str | None) -> Store:
+    """The store at a file path or URL, or the last run's (SystemExit saying what is
+    missing: a CLI reads stores a person names)."""
+    if path is None:
+        if not LATEST.exists():
+            raise SystemExit("no store given and no previous run found; pass --store PATH")
+        path = LATEST.read_text().strip()
+    if path.startswith("http"):
+        from tracerl.store.http import StoreClient  # fastapi and httpx load only for a URL
+
+        return StoreClient(path)
+    if not Path(path).exists():
+        raise SystemExit(f"no store at {path}")
+    return SqliteStore(path)
 
 
 def _message_line(msg: dict) -> str:

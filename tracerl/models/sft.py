@@ -27,6 +27,9 @@ from transformers import (
     get_cosine_schedule_with_warmup,
 )
 
+from tracerl.models.template import render_chat
+from tracerl.models.tiny import TinyModelConfig, build_tiny_model
+
 __all__ = [
     "Demo",
     "EncodedDemo",
@@ -35,6 +38,7 @@ __all__ = [
     "encode_demo",
     "load_demos",
     "sft",
+    "sft_new_or_base",
 ]
 
 
@@ -258,3 +262,16 @@ def sft(
         wall_s=wall_s,
         tokens_per_s=tokens / wall_s if wall_s > 0 else 0.0,
     )
+
+
+def sft_new_or_base(
+    demos: list[Demo], out_dir: str | Path, base_dir: str | Path | None, cfg: SftConfig
+) -> SftResult:
+    """`sft` from `base_dir`, or with none from a new tiny model whose tokenizer is trained on
+    the demos' text, saved beside the output as <out_dir>-base (what `tracerl sft` does)."""
+    if base_dir is None:
+        out = Path(out_dir)
+        base_dir = out.with_name(out.name + "-base")
+        texts = [render_chat(d.messages, d.tools) for d in demos]
+        build_tiny_model(base_dir, texts, TinyModelConfig())
+    return sft(base_dir, demos, out_dir, cfg)

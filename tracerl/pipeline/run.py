@@ -147,6 +147,7 @@ class _Run:
             report: EvalReport = evaluate(
                 self.stack.store, self.agents.gateway_url, self.agents.agent,
                 self.agents.reward_fn, tasks, 1, self.agents.cfg, desc=label,
+                model=self.agents.model, threshold=self.cfg.success_threshold,
             )  # fmt: skip
         finally:
             self.source.pause(False)
@@ -178,8 +179,8 @@ def train(
         exits.callback(log.close)
         threads = ThreadPoolExecutor(cfg.runner.concurrency, thread_name_prefix="tracerl-agent")
         exits.callback(threads.shutdown, wait=False, cancel_futures=True)
-        runner_cfg = cfg.runner.model_copy(update={"model": cfg.model_name})
-        agents = Agents(stack.url, agent or load_agent(cfg.agent, threads), reward_fn, runner_cfg)
+        agent = agent or load_agent(cfg.agent, threads)
+        agents = Agents(stack.url, agent, reward_fn, cfg.runner, model=cfg.model_name)
         policies = _policies(cfg, stack)
         curation = Curation.build(cfg.curation, cfg.pipeline.group_size, cfg.success_threshold)
         trainer = policies[0].trainer  # every policy's version moves in step with the others

@@ -114,12 +114,15 @@ class Agents:
     """Reward function, when the agent does not return or post one."""
     cfg: RunnerConfig
     """Concurrency, timeouts, leases."""
+    model: str = "policy"
+    """The model name the agent is told to call (the top role)."""
 
     def runner(self, store: Store, on_finish: Callable[[Rollout], None] | None = None) -> Runner:
         """A runner for this source's rollouts."""
         return Runner(
-            store, self.gateway_url, self.agent, self.reward_fn, self.cfg, on_finish=on_finish
-        )
+            store, self.gateway_url, self.agent, self.reward_fn, self.cfg,
+            on_finish=on_finish, model=self.model,
+        )  # fmt: skip
 
 
 class TaskOrder:

@@ -29,7 +29,7 @@ from pathlib import Path
 
 from pydantic import BaseModel, ConfigDict
 
-from tracerl.demo import example_module
+from tracerl.examples import example_module
 from tracerl.models.sft import Demo, SftConfig, sft
 from tracerl.models.template import render_chat
 from tracerl.models.tiny import TinyModelConfig, build_tiny_model

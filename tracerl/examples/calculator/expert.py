@@ -10,16 +10,32 @@ Usage: python examples/calculator/expert.py N out.jsonl [seed]
 
 from __future__ import annotations
 
+import hashlib
+import importlib.util
 import json
 import random
 import re
 import sys
 from pathlib import Path
+from types import ModuleType
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from agent import SYSTEM_PROMPT, TOOLS, calculate  # noqa: E402
-from tasks import make_tasks  # noqa: E402
+def _sibling(name: str) -> ModuleType:
+    """Another file of this folder, loaded by path under a name unique to the folder: every
+    example has an agent.py and a tasks.py, so a bare `import agent` may find another's."""
+    path = Path(__file__).resolve().with_name(f"{name}.py")
+    key = f"_example_{hashlib.sha1(str(path).encode()).hexdigest()[:12]}_{name}"
+    if key not in sys.modules:
+        spec = importlib.util.spec_from_file_location(key, path)
+        assert spec is not None and spec.loader is not None
+        sys.modules[key] = module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+    return sys.modules[key]
+
+
+_agent = _sibling("agent")
+SYSTEM_PROMPT, TOOLS, calculate = _agent.SYSTEM_PROMPT, _agent.TOOLS, _agent.calculate
+make_tasks = _sibling("tasks").make_tasks
 
 EVAL_SEED = 1  # tasks.py draws the eval split with seed 1; demos must not see those tasks
 DEFAULT_SEED = 1234

@@ -19,8 +19,8 @@ from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from tracerl.demo import example_dir, example_module
 from tracerl.evaluate import EvalReport, evaluate
+from tracerl.examples import example_file, example_module
 from tracerl.runner import RunnerConfig, load_callable, python_agent
 from tracerl.stack import start_multi_stack
 from tracerl.store.sqlite import SqliteStore
@@ -76,16 +76,18 @@ def run_eval(
     tasks_mod = example_module("planner_executor", "tasks")
     seed = 0 if split == "train" else 1
     tasks = [Task.model_validate(t) for t in tasks_mod.make_tasks(n_tasks, split, seed)]
-    reward_fn = load_callable(f"{example_dir('planner_executor') / 'reward.py'}:reward")
-    run = load_callable(f"{example_dir('planner_executor') / 'agent.py'}:run")
+    reward_fn = load_callable(f"{example_file('planner_executor', 'reward')}:reward")
+    run = load_callable(f"{example_file('planner_executor', 'agent')}:run")
     with tempfile.TemporaryDirectory() as tmp:
         path = store_path or Path(tmp) / "traces.db"
         stack = start_multi_stack(model_dirs, {role: role for role in model_dirs}, path)
-        cfg = RunnerConfig(model="planner", concurrency=concurrency)
+        cfg = RunnerConfig(concurrency=concurrency)
         try:
             with ThreadPoolExecutor(concurrency) as threads:
                 agent = python_agent(run, threads)
-                rep = evaluate(stack.store, stack.url, agent, reward_fn, tasks, repeats, cfg)
+                rep = evaluate(
+                    stack.store, stack.url, agent, reward_fn, tasks, repeats, cfg, model="planner"
+                )
             stats = role_stats(stack.store, stack.store.rollouts(group_id=rep.group_id))
         finally:
             stack.close()

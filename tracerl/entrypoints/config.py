@@ -1,0 +1,178 @@
+"""The commands' typed configs: every field documented and settable as --field (nested ones
+as --section.field). Torch-free: `tracerl --help` reads every one of them.
+
+`train` and `demo` take TrainConfig itself (with a file and --resume, or the demo's
+defaults); `serve` and `eval` share ServingConfig, what a gateway serves.
+"""
+
+from __future__ import annotations
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic_settings import CliPositionalArg, CliSubCommand
+
+from tracerl.engines.config import EngineConfig
+from tracerl.pipeline.config import TrainConfig
+from tracerl.roles import PolicySpec, RoleConfig, check_local_models, resolve_roles, top_model
+from tracerl.runner import RunnerConfig
+
+__all__ = [
+    "Command",
+    "EvalCommand",
+    "RunnerCommand",
+    "ServeCommand",
+    "ServingConfig",
+    "SftCommand",
+    "TracesCommand",
+    "TracesList",
+    "TracesShow",
+    "TrainCommand",
+    "config_errors",
+]
+
+
+def config_errors(e: ValidationError) -> str:
+    """Each error as 'section.key: what is wrong', so an unknown key is named."""
+    return "; ".join(
+        f"{'.'.join(str(part) for part in err['loc'])}: {err['msg']}" for err in e.errors()
+    )
+
+
+class Command(BaseModel):
+    """A command's config: documented fields, unknown keys refused by name."""
+
+    model_config = ConfigDict(use_attribute_docstrings=True, extra="forbid")
+
+
+class TrainCommand(TrainConfig):
+    """Train any agent on any task file with RL through the gateway: evaluate, train,
+    evaluate. Fields come from an optional TOML file, then from flags."""
+
+    config: CliPositionalArg[str] = ""
+    """TOML file with any of the fields below (sections for nested ones)."""
+    resume: str | None = None
+    """Continue the run in this directory (runs/<name>) from its last checkpoint."""
+
+
+class ServingConfig(Command):
+    """What a gateway serves: one local model, or each role's policy."""
+
+    model: str = ""
+    """Local HF model directory to serve (the default of every role without its own)."""
+    roles: dict[str, RoleConfig] = {}
+    """Agent systems with several roles: each role's model dir, shared weights or url, as in
+    `tracerl train` (JSON, e.g. '{"planner": {"model": "m/p"}, "executor": {"share":
+    "planner"}}'): one engine per policy, remote roles forwarded."""
+    model_name: str = "policy"
+    """The model name the agent is told to use (the role); with `roles`, default: the first."""
+    engine: EngineConfig = EngineConfig()
+    """How the model is served."""
+
+    def policies(self, command: str) -> list[PolicySpec]:
+        """The policies to serve: `model` as `model_name`, or each role of `roles`
+        (ValueError saying what is wrong: nothing to serve, a bad mapping, a missing dir)."""
+        if not self.model and not self.roles:
+            raise ValueError(f"{command} needs --model DIR (or --roles for several roles)")
+        specs = resolve_roles(self.roles or {self.model_name: RoleConfig()}, self.model)
+        check_local_models(specs, bool(self.roles))
+        return specs
+
+    def top_model(self) -> str:
+        """The model name the top agent is told (ValueError if no role serves it)."""
+        return top_model(self.model_name, self.roles, "model_name" in self.model_fields_set)
+
+
+class ServeCommand(ServingConfig):
+    """Run the store and the gateway as their own process, for runners elsewhere."""
+
+    store: str = "runs/serve/traces.db"
+    """SQLite store file."""
+    host: str = "127.0.0.1"
+    """Interface to listen on."""
+    port: int = 8000
+    """Port to listen on."""
+
+
+class EvalCommand(ServingConfig):
+    """Run N rollouts of any agent through the gateway and report success and traces."""
+
+    agent: CliPositionalArg[str]
+    """The agent: 'file.py:function', 'module:function', or 'cmd:<command line>'."""
+    tasks: str
+    """Task file (JSONL: one {"id", "input", "answer", "split"} per line)."""
+    reward: str | None = None
+    """Reward function 'file.py:function' called as f(task, answer); optional when the
+    agent returns or emits its own reward."""
+    split: str | None = None
+    """Only tasks of this split (default: all)."""
+    repeats: int = Field(default=1, ge=1)
+    """Rollouts per task."""
+    name: str = "eval"
+    """Run name: outputs go to <runs>/<name>/."""
+    runs: str = "runs"
+    """Folder holding runs."""
+    runner: RunnerConfig = RunnerConfig()
+    """How rollouts are run."""
+
+
+class RunnerCommand(Command):
+    """Run a pool of workers that claim rollouts from a remote store and run the agent."""
+
+    agent: CliPositionalArg[str]
+    """The agent: 'file.py:function', 'module:function', or 'cmd:<command line>'."""
+    url: str
+    """Base URL of `tracerl serve` (store API at <url>/store, gateway at <url>)."""
+    reward: str | None = None
+    """Reward function 'file.py:function'."""
+    model_name: str = "policy"
+    """The model name the agent is told to use (a role `tracerl serve` serves)."""
+    until_idle: bool = True
+    """Exit once nothing is queued or running."""
+    runner: RunnerConfig = RunnerConfig()
+    """How rollouts are run."""
+
+
+class SftCommand(Command):
+    """Supervised warm start of a local model (or a new tiny one) from demonstrations."""
+
+    demos: str
+    """Demonstrations JSONL: one {"messages": [...], "tools": [...]} per line."""
+    out: str
+    """Output HF model directory."""
+    base: str | None = None
+    """Local HF model dir to start from; default: build a new tiny model on the demos."""
+    steps: int | None = None
+    """Optimizer steps (default: SftConfig's)."""
+    stop_loss: float | None = None
+    """Stop early once the running loss is below this (default: never)."""
+    lr: float | None = None
+    """Peak learning rate (default: SftConfig's)."""
+    seed: int = 0
+    """Seed."""
+
+
+class TracesShow(Command):
+    """Print one rollout: every model call with its messages, tokens, policy version,
+    latency, and the reward."""
+
+    rollout_id: CliPositionalArg[str]
+    """The rollout to show."""
+    store: str | None = None
+    """Store file or URL (default: the last run's)."""
+
+
+class TracesList(Command):
+    """List recent rollouts."""
+
+    store: str | None = None
+    """Store file or URL (default: the last run's)."""
+    limit: int = 20
+    """How many."""
+
+
+class TracesCommand(Command):
+    """Read recorded traces."""
+
+    show: CliSubCommand[TracesShow]
+    """Print one rollout."""
+    list: CliSubCommand[TracesList]
+    """List recent rollouts."""
