@@ -122,3 +122,35 @@ def test_policy_versions_point_only_at_written_checkpoints(
     second = stack.store.latest_version()
     assert second is not None and second.version == 2
     assert Path(second.path).is_dir() and (Path(second.path) / "config.json").exists()
+
+
+def test_each_metric_has_one_name() -> None:
+    """Regression: dropped groups were logged as pipeline/ and curation/ at once."""
+    from tracerl.metrics import step_values
+    from tracerl.pipeline.sources import SourceStats
+    from tracerl.pipeline.step import StepReport
+    from tracerl.trainer.trainer import TrainMetrics
+
+    curation = Curation.build(CurationConfig(dynamic_sampling=True), 2, 1.0)
+    report = StepReport(
+        step=1, reward=0.5, success=0.5, rollouts=8, rows=8, generate_s=1.0,
+        train=TrainMetrics.empty(), source=SourceStats(), curation=curation.metrics(),
+    )  # fmt: skip
+    names = list(step_values(report))
+    assert len(names) == len(set(names))
+    dropped = [n for n in names if n.endswith("dropped_zero_variance")]
+    assert dropped == ["curation/dropped_zero_variance"]
+
+
+def test_evaluation_success_follows_the_threshold(stack: Stack) -> None:
+    """Regression: EvalReport counted reward >= 1.0 as success whatever was configured."""
+    from tracerl.evaluate import report
+    from tracerl.types import RolloutStatus
+
+    stack.store.add_tasks(_tasks(2))
+    stack.store.enqueue(["t0", "t1"])
+    for r, reward in zip(stack.store.claim("r", 2), (0.6, 0.3), strict=True):
+        stack.store.finish(r.id, r.attempt, RolloutStatus.succeeded, "a", reward, None)
+    rollouts = stack.store.rollouts()
+    assert report(stack.store, rollouts, 1.0).success_rate == 0.0
+    assert report(stack.store, rollouts, 1.0, threshold=0.5).success_rate == 0.5
