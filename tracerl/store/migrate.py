@@ -27,6 +27,7 @@ from tracerl.store.postgres_schema import (
     INSERT_ROLLOUT,
     INSERT_SPAN,
     INSERT_TASK,
+    INSERT_VERSION,
     SELECT_TASK,
     migrate,
 )
@@ -106,7 +107,7 @@ def _copy_versions(src: sqlite3.Connection, dst: psycopg.Connection[Any]) -> int
     rows = src.execute(_select("versions", VERSION_COLS)).fetchall()
     with dst.transaction(), dst.cursor() as cur:
         before = _count(cur, "versions")
-        cur.executemany("INSERT INTO versions VALUES (%s, %s, %s, %s) ON CONFLICT DO NOTHING", rows)
+        cur.executemany(INSERT_VERSION, rows)
         stored = {
             (r[0], r[1]): r[2] for r in cur.execute("SELECT role, version, path FROM versions")
         }

@@ -22,17 +22,21 @@ from tracerl.types import RolloutStatus
 
 __all__ = [
     "CLAIMABLE",
+    "DB_NOW",
     "EXPIRED",
     "INSERT_REWARD",
     "INSERT_ROLLOUT",
     "INSERT_SPAN",
     "INSERT_TASK",
+    "INSERT_VERSION",
+    "LATEST_VERSION",
     "MIGRATIONS",
     "SELECT_REWARDS",
     "SELECT_ROLLOUT",
     "SELECT_SPANS",
     "SELECT_TASK",
     "UPDATE_ROLLOUT",
+    "VERSION_PATH",
     "migrate",
     "schema_version",
 ]
@@ -103,6 +107,13 @@ INSERT_TASK = _insert("tasks", TASK_COLS) + " ON CONFLICT (id) DO NOTHING"
 INSERT_ROLLOUT = _insert("rollouts", ROLLOUT_COLS)
 INSERT_SPAN = _insert("spans", SPAN_COLS)
 INSERT_REWARD = _insert("rewards", REWARD_COLS)
+INSERT_VERSION = "INSERT INTO versions VALUES (%s, %s, %s, %s) ON CONFLICT DO NOTHING"
+VERSION_PATH = "SELECT path FROM versions WHERE role = %s AND version = %s"
+LATEST_VERSION = (
+    "SELECT role, version, path, created_at FROM versions WHERE role = %s "
+    "ORDER BY version DESC LIMIT 1"
+)
+DB_NOW = "SELECT extract(epoch FROM clock_timestamp())::float8"
 # SKIP LOCKED: concurrent claimers pass over rows another transaction holds instead of
 # queueing behind it, so each takes the next free rollouts and none gets one twice.
 CLAIMABLE = (
