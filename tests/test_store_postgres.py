@@ -9,6 +9,7 @@ Every test here gets its own database on a throwaway server (tests/pg.py).
 from __future__ import annotations
 
 import multiprocessing as mp
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -18,7 +19,7 @@ import psycopg
 import pytest
 
 from tests.pg import pg_server, pg_url  # noqa: F401  (fixtures)
-from tracerl.store import InvalidTransition, SqliteStore, Store, StoreError
+from tracerl.store import InvalidTransition, LeaseLost, SqliteStore, Store, StoreError
 from tracerl.store.client import StoreClient
 from tracerl.store.open import open_store
 from tracerl.store.postgres import PostgresStore
@@ -73,6 +74,39 @@ def test_a_transition_from_a_stale_read_is_refused(pg: PostgresStore) -> None:
     with pg._tx() as cur, pytest.raises(InvalidTransition, match="concurrently"):
         pg._transition(cur, [(r, {})], S.running)
     assert pg.get_rollout(r.id).runner_id == "runner-a"
+
+
+def test_a_finish_racing_a_requeue_has_one_winner(pg: PostgresStore) -> None:
+    pg.add_tasks([Task(id="t0", input={})])
+    pg.enqueue(["t0"] * 60, max_attempts=3)
+    claimed = pg.claim("runner-a", n=60, lease_s=0.0)  # every lease expires at once
+    outcome: dict[str, str] = {}
+
+    def finisher() -> None:
+        for r in claimed:
+            try:
+                pg.finish(r.id, 1, S.succeeded, reward=1.0)
+                outcome[r.id] = "finished"
+            except LeaseLost:
+                outcome[r.id] = "lost"
+
+    def requeuer() -> None:
+        deadline = time.time() + 30  # in case the finisher died
+        while len(outcome) < len(claimed) and time.time() < deadline:
+            pg.requeue_expired()
+
+    threads = [threading.Thread(target=f) for f in (finisher, requeuer)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=60)
+    assert len(outcome) == len(claimed)
+    for r in claimed:  # the finish happened or the requeue did, never a mix of the two
+        now, rewards = pg.get_rollout(r.id), [w.value for w in pg.rewards(r.id, 1)]
+        if outcome[r.id] == "finished":
+            assert (now.status, now.attempt, rewards) == (S.succeeded, 1, [1.0])
+        else:
+            assert (now.status, now.error, rewards) == (S.queued, "lease expired", [])
 
 
 # -- schema and durability ----------------------------------------------------------------
