@@ -1,7 +1,9 @@
 """The store's behaviour: lifecycle, leases, attempts, spans, rewards, versions, durability.
 
-Every test taking the `store` fixture runs twice: on SqliteStore in memory, and through
-StoreClient against a live uvicorn server, so both sides of the Store protocol agree.
+Every test taking the `store` fixture runs three times: on SqliteStore in memory, through
+StoreClient against a live uvicorn server, and on PostgresStore against a throwaway server
+(tests/pg.py; skipped where PostgreSQL is not installed), so every side of the Store
+protocol agrees.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from typing import cast
 import numpy as np
 import pytest
 
+from tests.pg import pg_server, pg_url  # noqa: F401  (fixtures)
 from tracerl.server import serving
 from tracerl.store import (
     Conflict,
@@ -60,8 +63,15 @@ def server() -> Iterator[tuple[_Current, str]]:
         yield current, url
 
 
-@pytest.fixture(params=["sqlite", "http"])
+@pytest.fixture(params=["sqlite", "http", "postgres"])
 def store(request: pytest.FixtureRequest) -> Iterator[Store]:
+    if request.param == "postgres":
+        from tracerl.store.postgres import PostgresStore
+
+        pg = PostgresStore(request.getfixturevalue("pg_url"))
+        yield pg
+        pg.close()
+        return
     backend = SqliteStore()
     if request.param == "sqlite":
         yield backend

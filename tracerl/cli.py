@@ -25,6 +25,7 @@ from tracerl.entrypoints.config import (
     TrainCommand,
     config_errors,
 )
+from tracerl.entrypoints.store import StoreCommand
 
 console = Console()
 """Where every command prints (tests swap it for one that records)."""
@@ -49,6 +50,7 @@ class Tracerl(
     sft: CliSubCommand[SftCommand]
     serve: CliSubCommand[ServeCommand]
     runner: CliSubCommand[RunnerCommand]
+    store: CliSubCommand[StoreCommand]
 
 
 def main(argv: list[str] | None = None) -> None:

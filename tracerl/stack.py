@@ -29,8 +29,9 @@ thread, its owner, and what runs on it.
   `train`): synchronous agent functions; their model calls reach `tracerl-http` over
   loopback. Async agents run on the runner's loop.
 
-The store (SqliteStore) is called from the main, store, source and runner-executor threads
-at once; it serialises them on its one connection (see tracerl/store/sqlite.py).
+The store (SqliteStore, or PostgresStore for a postgresql:// URL) is called from the main,
+store, source and runner-executor threads at once; SqliteStore serialises them on its one
+connection (tracerl/store/sqlite.py), PostgresStore lends each its own pooled connection.
 
 Shutdown, in this order: the source (AsyncSource.close stops its loop and thread; running
 rollouts are left to their leases) and the runner, by the pipeline's owner; the agent pool;
@@ -51,7 +52,8 @@ from tracerl.engines.config import EngineConfig
 from tracerl.gateway import Gateway, ServedModel, create_app
 from tracerl.gateway.remote import RemoteModel
 from tracerl.server import BackgroundServer, serve_in_thread
-from tracerl.store.sqlite import SqliteStore
+from tracerl.store import Store
+from tracerl.store.open import open_store
 
 
 def make_engine(model_dir: str | Path, cfg: EngineConfig, version: int = 0) -> Engine:
@@ -79,7 +81,7 @@ class LocalStack:
     agents ask for) may be served by one engine: the same backbone in several roles.
     """
 
-    store: SqliteStore
+    store: Store
     """Tasks, rollouts, spans: used by every thread of the process (closed last)."""
     engines: dict[str, Engine]
     """One engine per policy (a set of weights)."""
@@ -146,7 +148,7 @@ def start_multi_stack(
     missing = sorted(set(roles.values()) - set(models))
     if missing:
         raise ValueError(f"roles name policies with no model: {missing}")
-    store = SqliteStore(store_path)
+    store = open_store(store_path)  # a postgresql:// URL shares the store between machines
     engines = {name: make_engine(path, engine_cfg) for name, path in models.items()}
     # The gateway renders each role's prompts with its engine's own tokenizer.
     served = {

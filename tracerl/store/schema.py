@@ -1,8 +1,9 @@
-"""The SQLite layout of the embedded store, and the codecs between its rows and records.
+"""The SQLite layout of the embedded store, and the codecs between rows and records.
 
 Owns the table definitions (and the columns added since a table first shipped, so older
 files open), the SQL statements derived from the records' fields, and the row <-> record
-conversions. SqliteStore (sqlite.py) owns the connection and the transactions.
+conversions. SqliteStore (sqlite.py) owns the connection and the transactions. The column
+lists and codecs are shared with PostgresStore, whose tables have the same columns.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ __all__ = [
     "SCHEMA",
     "SELECT_ROLLOUT",
     "SPAN_COLS",
+    "TASK_COLS",
     "UPDATE_ROLLOUT",
     "add_missing_columns",
     "reward_from_row",
@@ -68,6 +70,8 @@ CREATE TABLE IF NOT EXISTS versions (
 """
 
 # Column order equals field order of the records, so rows zip straight into them.
+# (PostgresStore, postgres_schema.py, shares these and the codecs below.)
+TASK_COLS = tuple(Task.model_fields)
 ROLLOUT_COLS = tuple(Rollout.model_fields)
 SPAN_COLS = tuple(Span.model_fields)
 REWARD_COLS = tuple(Reward.model_fields)
