@@ -16,6 +16,8 @@ from rich.table import Table
 from rich.tree import Tree
 
 from tracerl.store import Store
+from tracerl.store.open import is_postgres_url
+from tracerl.store.open import open_store as open_any_store
 from tracerl.store.sqlite import SqliteStore
 from tracerl.types import Rollout, Span
 
@@ -23,10 +25,11 @@ LATEST = Path("runs") / ".latest_store"
 """Where the last run (demo, train, eval) noted its store file, relative to the cwd."""
 
 
-def remember_store(path: Path) -> None:
-    """Note `path` as the last run's store."""
+def remember_store(path: str | Path) -> None:
+    """Note `path` (a file, or a store URL) as the last run's store."""
     LATEST.parent.mkdir(parents=True, exist_ok=True)
-    LATEST.write_text(str(path.resolve()))
+    url = isinstance(path, str) and "://" in path
+    LATEST.write_text(str(path) if url else str(Path(path).resolve()))
 
 
 def open_store(path: str | None) -> Store:
@@ -36,6 +39,8 @@ def open_store(path: str | None) -> Store:
         if not LATEST.exists():
             raise SystemExit("no store given and no previous run found; pass --store PATH")
         path = LATEST.read_text().strip()
+    if is_postgres_url(path):
+        return open_any_store(path)
     if path.startswith("http"):
         from tracerl.store.http import StoreClient  # fastapi and httpx load only for a URL
 

@@ -85,7 +85,8 @@ class ServeCommand(ServingConfig):
     """Run the store and the gateway as their own process, for runners elsewhere."""
 
     store: str = "runs/serve/traces.db"
-    """SQLite store file."""
+    """The store: a SQLite file, or a `postgresql://` URL (many gateways and runners on many
+    hosts)."""
     host: str = "127.0.0.1"
     """Interface to listen on."""
     port: int = 8000

@@ -20,7 +20,8 @@ def main(cfg: ServeCommand, console: Console) -> None:
         specs = cfg.policies("serve")
     except ValueError as e:
         raise SystemExit(str(e)) from None
-    Path(cfg.store).parent.mkdir(parents=True, exist_ok=True)
+    if "://" not in cfg.store:
+        Path(cfg.store).parent.mkdir(parents=True, exist_ok=True)
     remote = remote_roles(cfg.roles)
     stack = start_roles_stack(specs, remote, cfg.store, cfg.engine, cfg.host, cfg.port)
     console.print(f"gateway: {stack.url}/v1 · per rollout: {stack.url}/rollouts/<id>/v1")

@@ -70,6 +70,9 @@ class TrainConfig(BaseModel):
     """The agent: 'file.py:function', 'module:function', or 'cmd:<command line>'."""
     reward: str | None = None
     """Reward function 'file.py:function' called as f(task, answer)."""
+    store: str = ""
+    """The store: "" for <runs>/<name>/traces.db (SQLite), a SQLite file, or a
+    `postgresql://` URL (the same store protocol, for many gateways and runners)."""
     tasks: str = ""
     """Task file (JSONL); its 'train' split is trained on."""
     eval_tasks: str | None = None

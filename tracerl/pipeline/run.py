@@ -172,8 +172,8 @@ def train(
         reward_fn = load_callable(cfg.reward)
     with ExitStack() as exits:  # unwinds in reverse: source first, serving stack last
         specs = cfg.policies()
-        stack = start_roles_stack(specs, remote_roles(cfg.roles), run_dir / "traces.db",
-                                  cfg.engine)  # fmt: skip
+        store = cfg.store or run_dir / "traces.db"
+        stack = start_roles_stack(specs, remote_roles(cfg.roles), store, cfg.engine)
         exits.callback(stack.close)
         log = MetricsLog(run_dir)
         exits.callback(log.close)
