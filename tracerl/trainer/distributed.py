@@ -120,19 +120,28 @@ class DistributedTrainer(Trainer):
             self.model, picked, _padded(batches, most), self.cfg, denom, prox,
             self._reference_logprobs,
         )  # fmt: skip
-        loss = _sum_over_ranks(out.loss)
-        tokens = int(_sum_over_ranks(sum(int(mb.attention_mask_BT.sum()) for mb in batches)))
+        local = [out.loss, float(sum(int(mb.attention_mask_BT.sum()) for mb in batches))]
+        loss, tokens = self._sum_over_ranks(local)
         metrics = _gather_lists(out.metrics[: len(batches)])  # the idle passes are not data
-        return loss, self.apply_gradients(), metrics, tokens
+        return loss, self.apply_gradients(), metrics, int(tokens)
+
+    def _sum_over_ranks(self, values: list[float]) -> list[float]:
+        """Each value summed over the ranks (float64, on the trainer's device)."""
+        t = torch.tensor(values, dtype=torch.float64, device=self.device)
+        dist.all_reduce(t)
+        return t.tolist()
 
     def _denominator_and_most(self, batches: list[MicroBatch]) -> tuple[float, int]:
         """The whole step's loss denominator and the most micro-batches any rank holds."""
+        # On the trainer's device: NCCL reduces GPU tensors only.
         local_R2 = torch.tensor(
-            [[loss_denominator(batches, self.cfg), float(len(batches))]], dtype=torch.float64
+            [[loss_denominator(batches, self.cfg), float(len(batches))]],
+            dtype=torch.float64,
+            device=self.device,
         )
         every_R2 = [torch.zeros_like(local_R2) for _ in range(self.world_size)]
         dist.all_gather(every_R2, local_R2)
-        all_R2 = torch.cat(every_R2)
+        all_R2 = torch.cat(every_R2).cpu()
         # Summed in rank order, like the single trainer's sum over micro-batches.
         return float(sum(all_R2[:, 0].tolist())), int(all_R2[:, 1].max())
 
@@ -266,12 +275,6 @@ def _idle_batch() -> MicroBatch:
 def _tensors(state: dict[str, Any]) -> dict[str, Tensor]:
     """A full model state dict, typed as what it holds (plain tensors, no DTensors)."""
     return {k: v for k, v in state.items() if isinstance(v, Tensor)}
-
-
-def _sum_over_ranks(value: float) -> float:
-    t = torch.tensor([value], dtype=torch.float64)
-    dist.all_reduce(t)
-    return float(t)
 
 
 def _gather_lists(local: list[Any]) -> list[Any]:
