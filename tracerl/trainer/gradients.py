@@ -27,7 +27,14 @@ from tracerl.trainer.loss import (
 from tracerl.trainer.packing import MicroBatch, pack
 from tracerl.types import Transition
 
-__all__ = ["Gradients", "forward_logprobs", "loss_and_grads", "model_logits"]
+__all__ = [
+    "Gradients",
+    "backward_micro_batches",
+    "forward_logprobs",
+    "loss_and_grads",
+    "loss_denominator",
+    "model_logits",
+]
 
 Stage = Callable[[str], None]
 """Called at the end of each stage: 'pack' once, then 'forward', 'logprobs', 'loss' and
@@ -91,9 +98,32 @@ def loss_and_grads(
     batches = pack(rows, cfg.micro_batch_tokens)
     # One denominator for the whole optimizer step, so accumulating gradients over
     # micro-batches gives the same update as one big batch.
-    agg = cfg.loss.aggregation
-    denom = sum(float(loss_weights(mb.loss_mask_BT, mb.weight_BT, agg).sum()) for mb in batches)
+    denom = loss_denominator(batches, cfg)
     stage("pack")
+    return backward_micro_batches(model, rows, batches, cfg, denom, proximal, reference, stage)
+
+
+def loss_denominator(batches: list[MicroBatch], cfg: TrainerConfig) -> float:
+    """sum(W) over the micro-batches, W = `loss_weights`: the loss is sum(W * l) / this."""
+    agg = cfg.loss.aggregation
+    return sum(float(loss_weights(mb.loss_mask_BT, mb.weight_BT, agg).sum()) for mb in batches)
+
+
+def backward_micro_batches(
+    model: torch.nn.Module,
+    rows: list[Transition],
+    batches: list[MicroBatch],
+    cfg: TrainerConfig,
+    denom: float,
+    proximal: list[Tensor] | None = None,
+    reference: Reference = _no_reference,
+    stage: Stage = _untimed,
+) -> Gradients:
+    """Forward, loss over `denom` and backward of each micro-batch of `rows`, in order.
+
+    `loss_and_grads` passes its rows' own denominator; a data-parallel rank passes the one
+    of every rank's rows, so the ranks' gradients add up to the whole batch's.
+    """
     total, metrics, tokens = 0.0, [], 0
     logp_rows: list[Tensor] = [torch.empty(0)] * len(rows)
     for mb in batches:

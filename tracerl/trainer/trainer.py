@@ -91,15 +91,23 @@ class Trainer:
         self.model: PreTrainedModel = _with_lora(base, cfg.lora)
         self.model.to(self.device)  # type: ignore[arg-type]
         self.model.train()
-        params = [p for p in self.model.parameters() if p.requires_grad]
-        self.optimizer = torch.optim.AdamW(
-            params, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), weight_decay=cfg.weight_decay
-        )
-        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, self._lr_factor)
+        self.optimizer, self.scheduler = self._build_optimizer()
         self.version = 0
         self._rng = random.Random(cfg.seed)
         # The KL reference is the starting policy, kept only when the KL term is on.
         self._reference = _reference(self.model, cfg) if cfg.loss.kl_coef > 0 else None
+
+    def _build_optimizer(
+        self,
+    ) -> tuple[torch.optim.AdamW, torch.optim.lr_scheduler.LambdaLR]:
+        """AdamW over the trainable parameters and its schedule (a sharded trainer calls
+        it again once its parameters are sharded)."""
+        cfg = self.cfg
+        params = [p for p in self.model.parameters() if p.requires_grad]
+        optimizer = torch.optim.AdamW(
+            params, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), weight_decay=cfg.weight_decay
+        )
+        return optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, self._lr_factor)
 
     def _lr_factor(self, step: int) -> float:
         if step < self.cfg.warmup_steps:
