@@ -23,12 +23,14 @@ from pydantic import BaseModel, ConfigDict
 
 from tracerl.algorithms.curation import CurationState
 from tracerl.pipeline.sources import SourceState
+from tracerl.trainer.lead import Leader
 from tracerl.trainer.trainer import Trainer
 
 __all__ = ["Checkpoints", "PipelineState", "Trainers", "read_ledger"]
 
-Trainers = Trainer | dict[str, Trainer]
-"""One trainer (files at the checkpoint's root) or several by policy name (a folder each)."""
+Trainers = Trainer | Leader | dict[str, Trainer]
+"""One trainer (files at the checkpoint's root; a data-parallel run's rank-0 Leader looks the
+same) or several by policy name (a folder each)."""
 
 
 class PipelineState(BaseModel):
@@ -55,8 +57,8 @@ class Checkpoints:
         self.keep = keep
 
     @staticmethod
-    def _dirs(trainers: Trainers, path: Path) -> list[tuple[Trainer, Path]]:
-        if isinstance(trainers, Trainer):
+    def _dirs(trainers: Trainers, path: Path) -> list[tuple[Trainer | Leader, Path]]:
+        if not isinstance(trainers, dict):
             return [(trainers, path)]
         return [(t, path / name) for name, t in trainers.items()]
 
