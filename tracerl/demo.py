@@ -15,16 +15,14 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field
 
-from tracerl.algorithms.config import CurationConfig
 from tracerl.engines.config import EngineConfig
 from tracerl.examples import example_dir, example_file, example_module
 from tracerl.pipeline.config import PipelineConfig, TrainConfig
 from tracerl.runner import RunnerConfig
-from tracerl.trainer.config import TrainerConfig
 
 if TYPE_CHECKING:
     from tracerl.models.sft import Demo
@@ -136,7 +134,7 @@ class DemoConfig(TrainConfig):
     held-out tasks, train it with RL through the gateway (the agent code unchanged), and
     evaluate again. Every `tracerl train` field, with the demo's defaults."""
 
-    # Defaults tuned so the weak tiny model learns the calculator task in minutes on CPU.
+    # The run defaults are `tracerl train`'s own; only the demo's scale is set here.
     name: str = "demo"
     """Run name: outputs go to <runs>/<name>/."""
     model: str = ""
@@ -162,32 +160,10 @@ class DemoConfig(TrainConfig):
     """Generate while training (pipeline.mode async, max_staleness as configured)."""
     pipeline: PipelineConfig = PipelineConfig(steps=30, eval_every=10)
     """Scheduling."""
-    curation: CurationConfig = CurationConfig(dynamic_sampling=True)
-    """Data curation. The demo drops groups whose rollouts all got the same reward and tops
-    up with fresh tasks (DAPO): once most answers are right, the remaining copy mistakes are
-    rare, and only mixed groups carry a signal about them."""
-    trainer: TrainerConfig = TrainerConfig(
-        lr=3e-4, minibatches=2, warmup_steps=5, schedule="cosine"
-    )
-    """Policy update: lr 3e-4 with warmup, cosine decay to 10% over the run (the end of the
-    run settles instead of drifting)."""
     runner: RunnerConfig = RunnerConfig(concurrency=64)
     """How rollouts are run."""
     engine: EngineConfig = EngineConfig(max_batch_size=64)
     """How the policy is served."""
-
-    @model_validator(mode="before")
-    @classmethod
-    def _sections_keep_demo_defaults(cls, data: Any) -> Any:
-        # `--pipeline.steps 80` arrives as {"pipeline": {"steps": 80}}: the section's other
-        # fields keep the demo's defaults above, not the section class's own.
-        if not isinstance(data, dict):
-            return data
-        out = dict(data)
-        for name, field in cls.model_fields.items():
-            if isinstance(field.default, BaseModel) and isinstance(out.get(name), dict):
-                out[name] = field.default.model_dump(exclude_unset=True) | out[name]
-        return out
 
 
 _DEMO_ONLY = {"eval_tasks", "train_tasks", "recipe", "rebuild", "run_async"}

@@ -7,6 +7,8 @@ defaults); `serve` and `eval` share ServingConfig, what a gateway serves.
 
 from __future__ import annotations
 
+from typing import Literal
+
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from pydantic_settings import CliPositionalArg, CliSubCommand
 
@@ -136,19 +138,31 @@ class SftCommand(Command):
     """Supervised warm start of a local model (or a new tiny one) from demonstrations."""
 
     demos: str
-    """Demonstrations JSONL: one {"messages": [...], "tools": [...]} per line."""
+    """Demonstrations JSONL: one {"messages": [...], "tools": [...]} per line (other keys,
+    such as "id", are ignored)."""
     out: str
     """Output HF model directory."""
     base: str | None = None
     """Local HF model dir to start from; default: build a new tiny model on the demos."""
-    steps: int | None = None
-    """Optimizer steps (default: SftConfig's)."""
+    steps: int | None = Field(default=None, ge=1)
+    """Optimizer steps (default: 1000; with skill-then-habit, of the skill stage)."""
     stop_loss: float | None = None
     """Stop early once the running loss is below this (default: never)."""
-    lr: float | None = None
-    """Peak learning rate (default: SftConfig's)."""
+    lr: float | None = Field(default=None, gt=0)
+    """Peak learning rate (default: 2e-3, for the tiny model; a pretrained model wants
+    about 1e-5)."""
     seed: int = 0
     """Seed."""
+    recipe: Literal["plain", "skill-then-habit"] = "plain"
+    """'plain': one SFT. 'skill-then-habit': the skill on the clean demos into <out>-skill,
+    then a short gentle SFT into <out> where habit_rate of the demos are made to skip their
+    tools and answer a corrupted guess (a weak start RL can fix; docs/recipes.md)."""
+    habit_rate: float = Field(default=0.65, ge=0.0, le=1.0)
+    """skill-then-habit: share of the habit stage's demos that skip the tools."""
+    habit_steps: int = Field(default=150, ge=1)
+    """skill-then-habit: SFT steps of the habit stage."""
+    habit_lr: float = Field(default=2e-4, gt=0)
+    """skill-then-habit: peak learning rate of the habit stage."""
 
 
 class TracesShow(Command):
