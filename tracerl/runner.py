@@ -231,6 +231,9 @@ class Runner:
         """The `model` name handed to the agent: the role its calls are served as (the run's
         `model_name`)."""
         self.finished = 0
+        self.paused = False
+        """While set, running rollouts go on but nothing new is claimed (another pool, e.g.
+        a held-out evaluation's, has the queue to itself)."""
         self.busy_s = 0.0
         """Summed wall time of rollouts run (for utilisation: busy_s / (slots x wall))."""
 
@@ -249,7 +252,7 @@ class Runner:
         while not stop.is_set():
             free = self.cfg.concurrency - len(active)
             claimed = []
-            if free > 0:
+            if free > 0 and not self.paused:
                 claimed = await asyncio.to_thread(self.store.claim, self.id, free, self.cfg.lease_s)
             for rollout in claimed:
                 task = asyncio.create_task(self.run_one(rollout))
