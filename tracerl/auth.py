@@ -27,6 +27,7 @@ import hashlib
 import hmac
 import ipaddress
 import os
+import re
 import secrets
 import tomllib
 from collections.abc import Awaitable, Callable, Mapping
@@ -229,13 +230,21 @@ ACCESS: dict[tuple[str, str], Access] = {
 route under /rollouts/{rollout_id}/ and /v1/ (any API the gateway speaks) is its agent's."""
 
 
-def access_of(method: str, template: str) -> Access:
-    """Who may call the route `template` (its path with {params}) with `method`."""
-    if (method, template) in ACCESS:
-        return ACCESS[(method, template)]
-    if template.startswith(("/rollouts/{rollout_id}/", "/v1/")):
-        return Access.agent
-    return Access.admin
+def _pattern(template: str) -> re.Pattern[str]:
+    return re.compile(re.sub(r"\\\{(\w+)\\\}", r"(?P<\1>[^/]+)", re.escape(template)))
+
+
+_RULES = [(method, _pattern(template), access) for (method, template), access in ACCESS.items()]
+_MODEL_CALLS = re.compile(r"/rollouts/[^/]+/|/v1/")
+
+
+def access_of(method: str, path: str) -> Access:
+    """Who may call `method` on `path` (the request's own path: matched here against the
+    table, so the answer never depends on how routers were mounted)."""
+    for rule_method, pattern, access in _RULES:
+        if rule_method == method and pattern.fullmatch(path):
+            return access
+    return Access.agent if _MODEL_CALLS.match(path) else Access.admin
 
 
 Lookup = Callable[[str], Awaitable[Rollout]]
@@ -255,8 +264,7 @@ def guard(keys: Keys, store: Store | None, executor: Executor | None = None) -> 
         request.state.principal = Principal(Role.admin)
         if not keys.enabled:
             return
-        route = request.scope.get("route")
-        access = access_of(request.method, getattr(route, "path", request.url.path))
+        access = access_of(request.method, request.url.path)
         if access is Access.open:
             return
         key = key_of(request)

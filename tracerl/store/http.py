@@ -103,7 +103,9 @@ def store_router(
     Store calls run on `executor` (None: the event loop's default executor). `keys` mints
     each claimed attempt's agent key (a random secret when None); who may call what is
     the app's guard (tracerl.auth), not the router's."""
-    r = APIRouter()
+    # Every store route may answer 422 in the store's error shape (FastAPI's default entry
+    # describes its own shape, which this API never sends).
+    r = APIRouter(responses=errors_doc(422))
     keys = keys or Keys()
 
     async def call(fn: Callable[..., T], *args: Any) -> T:
