@@ -11,7 +11,8 @@ Agents come in two forms: a Python callable `run(task_input, *, base_url, api_ke
 (sync ones run in threads, async ones on the loop), or an external command in any language
 that reads OPENAI_BASE_URL / OPENAI_API_KEY / OPENAI_MODEL and the task (JSON, in
 TRACERL_TASK and on stdin), prints its answer as the last line of stdout, and may POST its
-reward to TRACERL_REWARD_URL.
+reward to TRACERL_REWARD_URL. The API key is the attempt's own when the service has keys
+(sent as a Bearer token, it opens that attempt's model calls and reward only).
 """
 
 from __future__ import annotations
@@ -201,7 +202,8 @@ class RunnerConfig(BaseModel):
     lease_s: float = Field(default=30.0, gt=0)
     """Lease length; heartbeats renew it every lease_s / 3."""
     api_key: str = "tracerl"
-    """The API key handed to the agent (the gateway does not check it)."""
+    """The API key handed to the agent when the claim carries none of its own (a store in
+    this process: its gateway has no keys)."""
     poll_s: float = Field(default=0.05, gt=0)
     """Sleep between claims when nothing is queued."""
 
@@ -286,8 +288,12 @@ class Runner:
     async def _run_one(self, rollout: Rollout) -> None:
         task = await asyncio.to_thread(self.store.get_task, rollout.task_id)
         base_url = f"{self.gateway_url}/rollouts/{rollout.id}/v1"
+        # The attempt's own key when the store minted one (a claim over HTTP): it opens
+        # this attempt's model calls and reward only, and dies with the attempt.
+        minted = getattr(self.store, "agent_key", None)
+        api_key = (minted and minted(rollout.id, rollout.attempt)) or self.cfg.api_key
         run: asyncio.Future[AgentResult] = asyncio.ensure_future(
-            self.agent(task, base_url, self.cfg.api_key, self.model)
+            self.agent(task, base_url, api_key, self.model)
         )
         beat = asyncio.create_task(self._heartbeat(rollout, run))
         answer, reward, error = None, None, None

@@ -47,10 +47,12 @@ from contextlib import ExitStack
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from tracerl.auth import Keys
 from tracerl.engines.base import Engine
 from tracerl.engines.config import EngineConfig
 from tracerl.gateway import Gateway, ServedModel, create_app
 from tracerl.gateway.remote import RemoteModel
+from tracerl.limits import Limits
 from tracerl.server import BackgroundServer, serve_in_thread
 from tracerl.store import Store
 from tracerl.store.open import open_store
@@ -140,10 +142,13 @@ def start_multi_stack(
     host: str = "127.0.0.1",
     port: int = 0,
     remote: dict[str, RemoteModel] | None = None,
+    keys: Keys | None = None,
+    limits: Limits | None = None,
 ) -> LocalStack:
     """One engine per entry of `models` (policy -> model dir); the gateway answers to each
     role of `roles` (role -> policy) with that policy's engine, and to each role of
-    `remote` by forwarding to its OpenAI-compatible URL."""
+    `remote` by forwarding to its OpenAI-compatible URL. `keys` (None: open) and `limits`
+    guard the HTTP API (tracerl.auth, tracerl.limits)."""
     engine_cfg = engine_cfg or EngineConfig()
     missing = sorted(set(roles.values()) - set(models))
     if missing:
@@ -158,5 +163,5 @@ def start_multi_stack(
         for role, policy in roles.items()
     }
     gateway = Gateway(store, served, remote=remote)
-    server = serve_in_thread(create_app(gateway), host, port)
+    server = serve_in_thread(create_app(gateway, keys=keys, limits=limits), host, port)
     return LocalStack(store, engines, gateway, server)

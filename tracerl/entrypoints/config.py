@@ -13,6 +13,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from pydantic_settings import CliPositionalArg, CliSubCommand
 
 from tracerl.engines.config import EngineConfig
+from tracerl.limits import Limits
 from tracerl.pipeline.config import TrainConfig
 from tracerl.roles import PolicySpec, RoleConfig, check_local_models, resolve_roles, top_model
 from tracerl.runner import RunnerConfig
@@ -90,9 +91,16 @@ class ServeCommand(ServingConfig):
     """The store: a SQLite file, or a `postgresql://` URL (many gateways and runners on many
     hosts)."""
     host: str = "127.0.0.1"
-    """Interface to listen on."""
+    """Interface to listen on; beyond loopback only with keys."""
     port: int = 8000
     """Port to listen on."""
+    keys_file: str | None = None
+    """TOML keys file (`admin = "..."`, `[runners]` id = "key"), read beside the
+    TRACERL_ADMIN_KEY / TRACERL_RUNNER_KEYS environment variables. Keys are never flags:
+    a command line is visible to every user of the machine. No keys: every route open."""
+    limits: Limits = Limits()
+    """Bounds on one request: body size and arrival time, n, max_tokens, calls in flight
+    per rollout."""
 
 
 class EvalCommand(ServingConfig):

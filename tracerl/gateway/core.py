@@ -308,7 +308,7 @@ def _completion_ids(served: ServedModel, prompt: str | list[int]) -> list[int]:
         ids = list(prompt)
         vocab = len(served.tokenizer)
         if any(not 0 <= t < vocab for t in ids):
-            raise GatewayError(400, f"prompt token ids must be in [0, {vocab})", "prompt")
+            raise GatewayError(400, f"prompt token ids must be in [0, {vocab})", param="prompt")
     if not ids:
         raise GatewayError(400, "prompt is empty", param="prompt")
     return ids

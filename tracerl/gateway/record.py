@@ -151,6 +151,12 @@ class SpanRecorder:
             raise GatewayError(409, str(e), code="rollout_not_running") from None
 
     async def _write(self, rollout: Rollout, spans: Callable[[int], list[Span]]) -> None:
+        # Shielded: a call cancelled (its client gone) once its spans are being written
+        # still finishes the write and the seq bookkeeping, or the next call of the attempt
+        # would reuse a seq the store already holds.
+        await asyncio.shield(self._write_numbered(rollout, spans))
+
+    async def _write_numbered(self, rollout: Rollout, spans: Callable[[int], list[Span]]) -> None:
         assert self.store is not None
         calls = await self._attempt_calls(rollout)
         async with calls.lock:
