@@ -23,13 +23,12 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from tracerl.gateway.chat import ChatRequest, CompletionRequest, wire_message
 from tracerl.gateway.core import Choice, Gateway, GatewayError, Served, decode, invalid
+from tracerl.gateway.responses import register_responses
 from tracerl.gateway.streaming import chat_events, completion_events
+from tracerl.gateway.wire import PARENT_HEADER, ROLLOUT_HEADER
 from tracerl.store.http import install_error_handlers, store_router
 
 log = logging.getLogger(__name__)
-
-ROLLOUT_HEADER = "x-tracerl-rollout"
-PARENT_HEADER = "x-tracerl-parent"
 
 
 class RewardRequest(BaseModel):
@@ -150,6 +149,7 @@ def create_app(gateway: Gateway, with_store_api: bool = True) -> FastAPI:
         app.add_api_route(f"{prefix}/v1/chat/completions", chat, methods=["POST"])
         app.add_api_route(f"{prefix}/v1/completions", complete, methods=["POST"])
         app.add_api_route(f"{prefix}/v1/models", models, methods=["GET"])
+    register_responses(app, gateway)
     app.add_api_route("/rollouts/{rollout_id}/reward", reward, methods=["POST"])
     app.add_api_route("/health", health, methods=["GET"])
     if with_store_api and gateway.store is not None:
