@@ -21,6 +21,7 @@ from fastapi.responses import Response, StreamingResponse
 from pydantic import BaseModel, Field, ValidationError, model_validator
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from tracerl.gateway.anthropic import register_messages
 from tracerl.gateway.chat import ChatRequest, CompletionRequest, wire_message
 from tracerl.gateway.core import Choice, Gateway, GatewayError, Served, decode, invalid
 from tracerl.gateway.responses import register_responses
@@ -150,6 +151,7 @@ def create_app(gateway: Gateway, with_store_api: bool = True) -> FastAPI:
         app.add_api_route(f"{prefix}/v1/completions", complete, methods=["POST"])
         app.add_api_route(f"{prefix}/v1/models", models, methods=["GET"])
     register_responses(app, gateway)
+    register_messages(app, gateway)
     app.add_api_route("/rollouts/{rollout_id}/reward", reward, methods=["POST"])
     app.add_api_route("/health", health, methods=["GET"])
     if with_store_api and gateway.store is not None:

@@ -159,6 +159,12 @@ class Gateway:
             "chatcmpl", uuid.uuid4().hex,
         )  # fmt: skip
 
+    async def count_tokens(self, req: ChatRequest) -> int:
+        """How many tokens the request's prompt holds, rendered afresh (nothing sampled)."""
+        served = self.model(self.role(req.model))
+        _, _, prompt = await self._tokenize(_chat_prompt, served, req, None)
+        return len(prompt.ids)
+
     async def run(self, p: Pending, on_tokens: Callable[[list[int]], None] | None = None) -> Served:
         """Sample a checked call, record its spans, and return its choices. With `on_tokens`
         (one choice only), each batch of sampled ids is handed to it as it arrives."""
