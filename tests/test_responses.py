@@ -209,3 +209,19 @@ def test_invalid_json_is_a_400(served) -> None:  # type: ignore[no-untyped-def]
     server, _, _ = served
     reply = httpx.post(f"{server.url}/v1/responses", content=b"{nope")
     assert reply.status_code == 400 and "JSON" in reply.json()["error"]["message"]
+
+
+def test_aliases_are_configured_and_checked(tiny_model_dir: Path) -> None:
+    from tracerl.entrypoints.config import ServeCommand
+
+    cfg = ServeCommand.model_validate(
+        {"model": "m", "gateway": {"model_aliases": {"gpt-5": "policy"}, "default_model": "policy"}}
+    )
+    assert cfg.gateway.model_aliases == {"gpt-5": "policy"}
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    models = {"policy": ServedModel("policy", ScriptedEngine(tokenizer), tokenizer)}
+    names = cfg.gateway
+    gateway = Gateway(None, models, aliases=names.model_aliases, default_model=names.default_model)
+    assert [gateway.role(n) for n in ("policy", "gpt-5", "claude-x")] == ["policy"] * 3
+    with pytest.raises(ValueError, match="nobody serves"):
+        Gateway(None, models, aliases={"gpt-5": "planner"})

@@ -50,6 +50,7 @@ from tracerl.engines.base import Engine
 from tracerl.engines.config import EngineConfig
 from tracerl.gateway import Gateway, ServedModel, create_app
 from tracerl.gateway.remote import RemoteModel
+from tracerl.roles import GatewayConfig
 from tracerl.server import BackgroundServer, serve_in_thread
 from tracerl.store.sqlite import SqliteStore
 
@@ -138,10 +139,11 @@ def start_multi_stack(
     host: str = "127.0.0.1",
     port: int = 0,
     remote: dict[str, RemoteModel] | None = None,
+    gateway_cfg: GatewayConfig | None = None,
 ) -> LocalStack:
     """One engine per entry of `models` (policy -> model dir); the gateway answers to each
-    role of `roles` (role -> policy) with that policy's engine, and to each role of
-    `remote` by forwarding to its OpenAI-compatible URL."""
+    role of `roles` (role -> policy) with that policy's engine, to each role of `remote` by
+    forwarding to its OpenAI-compatible URL, and to other names as `gateway_cfg` maps them."""
     engine_cfg = engine_cfg or EngineConfig()
     missing = sorted(set(roles.values()) - set(models))
     if missing:
@@ -155,6 +157,8 @@ def start_multi_stack(
         )
         for role, policy in roles.items()
     }
-    gateway = Gateway(store, served, remote=remote)
+    names = gateway_cfg or GatewayConfig()
+    gateway = Gateway(store, served, remote=remote, aliases=names.model_aliases,
+                      default_model=names.default_model)  # fmt: skip
     server = serve_in_thread(create_app(gateway), host, port)
     return LocalStack(store, engines, gateway, server)

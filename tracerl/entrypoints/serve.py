@@ -22,7 +22,9 @@ def main(cfg: ServeCommand, console: Console) -> None:
         raise SystemExit(str(e)) from None
     Path(cfg.store).parent.mkdir(parents=True, exist_ok=True)
     remote = remote_roles(cfg.roles)
-    stack = start_roles_stack(specs, remote, cfg.store, cfg.engine, cfg.host, cfg.port)
+    stack = start_roles_stack(
+        specs, remote, cfg.store, cfg.engine, cfg.host, cfg.port, gateway=cfg.gateway
+    )
     console.print(f"gateway: {stack.url}/v1 · per rollout: {stack.url}/rollouts/<id>/v1")
     names = ", ".join(stack.gateway.names)
     console.print(f"models: {names} · store API: {stack.url}/store · file {cfg.store}")

@@ -35,7 +35,7 @@ from tracerl.pipeline.checkpoints import Checkpoints
 from tracerl.pipeline.config import TrainConfig
 from tracerl.pipeline.sources import Agents, RolloutSource, SyncSource, TaskOrder
 from tracerl.pipeline.step import Pipeline, Policy
-from tracerl.roles import PolicySpec, remote_roles
+from tracerl.roles import GatewayConfig, PolicySpec, remote_roles
 from tracerl.runner import AgentFn, RewardFn, load_agent, load_callable
 from tracerl.stack import LocalStack, start_multi_stack
 from tracerl.trainer.trainer import Trainer
@@ -68,11 +68,12 @@ def start_roles_stack(
     engine: EngineConfig,
     host: str = "127.0.0.1",
     port: int = 0,
+    gateway: GatewayConfig | None = None,
 ) -> LocalStack:
     """Serve every policy's roles from its own engine and the remote roles by forwarding."""
     models: dict[str, str | Path] = {p.name: p.model for p in specs}
     roles = {role: p.name for p in specs for role in p.roles}
-    return start_multi_stack(models, roles, store_path, engine, host, port, remote=remote)
+    return start_multi_stack(models, roles, store_path, engine, host, port, remote, gateway)
 
 
 def split_tasks(cfg: TrainConfig) -> tuple[list[Task], list[Task]]:
@@ -173,7 +174,7 @@ def train(
     with ExitStack() as exits:  # unwinds in reverse: source first, serving stack last
         specs = cfg.policies()
         stack = start_roles_stack(specs, remote_roles(cfg.roles), run_dir / "traces.db",
-                                  cfg.engine)  # fmt: skip
+                                  cfg.engine, gateway=cfg.gateway)  # fmt: skip
         exits.callback(stack.close)
         log = MetricsLog(run_dir)
         exits.callback(log.close)
