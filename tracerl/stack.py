@@ -53,6 +53,7 @@ from tracerl.engines.config import EngineConfig
 from tracerl.gateway import Gateway, ServedModel, create_app
 from tracerl.gateway.remote import RemoteModel
 from tracerl.limits import Limits
+from tracerl.roles import GatewayConfig
 from tracerl.server import BackgroundServer, serve_in_thread
 from tracerl.store import Store
 from tracerl.store.open import open_store
@@ -144,11 +145,12 @@ def start_multi_stack(
     remote: dict[str, RemoteModel] | None = None,
     keys: Keys | None = None,
     limits: Limits | None = None,
+    gateway_cfg: GatewayConfig | None = None,
 ) -> LocalStack:
     """One engine per entry of `models` (policy -> model dir); the gateway answers to each
-    role of `roles` (role -> policy) with that policy's engine, and to each role of
-    `remote` by forwarding to its OpenAI-compatible URL. `keys` (None: open) and `limits`
-    guard the HTTP API (tracerl.auth, tracerl.limits)."""
+    role of `roles` (role -> policy) with that policy's engine, to each role of `remote` by
+    forwarding to its OpenAI-compatible URL, and to other names as `gateway_cfg` maps them.
+    `keys` (None: open) and `limits` guard the HTTP API (tracerl.auth, tracerl.limits)."""
     engine_cfg = engine_cfg or EngineConfig()
     missing = sorted(set(roles.values()) - set(models))
     if missing:
@@ -162,6 +164,8 @@ def start_multi_stack(
         )
         for role, policy in roles.items()
     }
-    gateway = Gateway(store, served, remote=remote)
+    names = gateway_cfg or GatewayConfig()
+    gateway = Gateway(store, served, remote=remote, aliases=names.model_aliases,
+                      default_model=names.default_model)  # fmt: skip
     server = serve_in_thread(create_app(gateway, keys=keys, limits=limits), host, port)
     return LocalStack(store, engines, gateway, server)

@@ -7,6 +7,10 @@ strings, saving a trained model) uses exactly the one the weights were trained w
 role served by a remote OpenAI-compatible server speaks text, not ids, so it is no engine:
 the gateway forwards it, see tracerl.gateway.remote.)
 
+Streaming is optional: an engine with a `stream` method (`StreamingEngine`) hands out token
+ids as its decode steps sample them; `stream` below falls back to `generate` for any other
+engine (a remote server's), so the gateway streams from every engine the same way.
+
 `load_state_dict` is the one weight-sync seam. An in-process engine copies the tensors and
 switches between decode steps; a server engine writes them where its servers read weights
 and tells them to reload; a later NCCL or IPC path sends them directly. Callers (the
@@ -18,6 +22,7 @@ checker only.
 
 from __future__ import annotations
 
+from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 from tracerl.types import Generation, SamplingParams
@@ -64,3 +69,30 @@ class Engine(Protocol):
     def close(self) -> None:
         """Stop background work and free memory; calling it again does nothing."""
         ...
+
+
+TokenStream = AsyncIterator[list[int] | Generation]
+"""Lists of newly sampled token ids, in order, then the finished Generation (last, once).
+The Generation's ids are the whole completion: a consumer that saw fewer takes the rest
+from it."""
+
+
+@runtime_checkable
+class StreamingEngine(Protocol):
+    """An engine that can also hand out tokens as they are sampled."""
+
+    def stream(self, prompt_ids: list[int], params: SamplingParams) -> TokenStream:
+        """Sample one completion like `generate`, yielding its tokens as they come.
+
+        A consumer that stops early (closes the iterator) cancels the request."""
+        ...
+
+
+async def stream(engine: Engine, prompt_ids: list[int], params: SamplingParams) -> TokenStream:
+    """Tokens of one completion as `engine` samples them; engines that cannot stream answer
+    with the whole Generation at once."""
+    if isinstance(engine, StreamingEngine):
+        async for item in engine.stream(prompt_ids, params):
+            yield item
+        return
+    yield await engine.generate(prompt_ids, params)

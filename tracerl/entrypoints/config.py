@@ -15,7 +15,14 @@ from pydantic_settings import CliPositionalArg, CliSubCommand
 from tracerl.engines.config import EngineConfig
 from tracerl.limits import Limits
 from tracerl.pipeline.config import TrainConfig
-from tracerl.roles import PolicySpec, RoleConfig, check_local_models, resolve_roles, top_model
+from tracerl.roles import (
+    GatewayConfig,
+    PolicySpec,
+    RoleConfig,
+    check_local_models,
+    resolve_roles,
+    top_model,
+)
 from tracerl.runner import RunnerConfig
 
 __all__ = [
@@ -69,6 +76,8 @@ class ServingConfig(Command):
     """The model name the agent is told to use (the role); with `roles`, default: the first."""
     engine: EngineConfig = EngineConfig()
     """How the model is served."""
+    gateway: GatewayConfig = GatewayConfig()
+    """Model names clients hard-code, mapped to roles."""
 
     def policies(self, command: str) -> list[PolicySpec]:
         """The policies to serve: `model` as `model_name`, or each role of `roles`

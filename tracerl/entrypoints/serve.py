@@ -28,7 +28,16 @@ def main(cfg: ServeCommand, console: Console) -> None:
     roles = {role: p.name for p in specs for role in p.roles}
     remote = remote_roles(cfg.roles)
     stack = start_multi_stack(
-        models, roles, cfg.store, cfg.engine, cfg.host, cfg.port, remote, keys, cfg.limits
+        models,
+        roles,
+        cfg.store,
+        cfg.engine,
+        cfg.host,
+        cfg.port,
+        remote,
+        keys,
+        cfg.limits,
+        gateway_cfg=cfg.gateway,
     )
     console.print(f"gateway: {stack.url}/v1 · per rollout: {stack.url}/rollouts/<id>/v1")
     names = ", ".join(stack.gateway.names)

@@ -22,16 +22,17 @@ from pydantic import BaseModel, Field, TypeAdapter, ValidationError, model_valid
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from tracerl.auth import Keys, guard
+from tracerl.gateway.anthropic import register_messages
 from tracerl.gateway.chat import ChatRequest, CompletionRequest, wire_message
 from tracerl.gateway.core import Choice, Gateway, GatewayError, Served, decode, invalid
+from tracerl.gateway.responses import register_responses
+from tracerl.gateway.streaming import chat_events, completion_events
+from tracerl.gateway.wire import PARENT_HEADER, ROLLOUT_HEADER
 from tracerl.limits import ClientGone, Limits, LimitsMiddleware, unless_disconnected
 from tracerl.store.http import install_error_handlers, store_router
 from tracerl.store.wire import body_doc, errors_doc
 
 log = logging.getLogger(__name__)
-
-ROLLOUT_HEADER = "x-tracerl-rollout"
-PARENT_HEADER = "x-tracerl-parent"
 
 
 class RewardRequest(BaseModel):
@@ -138,15 +139,17 @@ def create_app(
         parent = request.headers.get(PARENT_HEADER)
         usage = bool((req.stream_options or {}).get("include_usage"))
         target = _rollout_id(request, rollout_id)
-        if req.model in gateway.remote:
+        if gateway.role(req.model) in gateway.remote:
             body = await unless_disconnected(request, gateway.chat_remote(req, target, parent))
             if req.stream:
                 events = _reply_events(body, usage)
                 return StreamingResponse(events, media_type="text/event-stream")
             return _json(body)
-        served = await unless_disconnected(request, gateway.chat(req, target, parent))
+        pending = await gateway.open_chat(req, target, parent)
         if req.stream:
-            return StreamingResponse(_chat_events(served, usage), media_type="text/event-stream")
+            events = chat_events(gateway, pending, usage)
+            return StreamingResponse(events, media_type="text/event-stream")
+        served = await unless_disconnected(request, gateway.run(pending))
         return _json(_chat_body(served, req.logprobs))
 
     async def complete(request: Request, rollout_id: str | None = None) -> Response:
@@ -156,10 +159,11 @@ def create_app(
             raise invalid(e) from None
         _check_sampling(limits, req.n, req.max_tokens)
         parent = request.headers.get(PARENT_HEADER)
-        work = gateway.complete(req, _rollout_id(request, rollout_id), parent)
-        served = await unless_disconnected(request, work)
+        pending = await gateway.open_complete(req, _rollout_id(request, rollout_id), parent)
         if req.stream:
-            return StreamingResponse(_completion_events(served), media_type="text/event-stream")
+            events = completion_events(gateway, pending)
+            return StreamingResponse(events, media_type="text/event-stream")
+        served = await unless_disconnected(request, gateway.run(pending))
         return _json(_completion_body(served, req.logprobs is not None))
 
     async def models(request: Request, rollout_id: str | None = None) -> Response:
@@ -189,6 +193,8 @@ def create_app(
             f"{prefix}/v1/completions", complete, methods=["POST"], **_ROUTES["complete"]
         )
         app.add_api_route(f"{prefix}/v1/models", models, methods=["GET"], **_ROUTES["models"])
+    register_responses(app, gateway)
+    register_messages(app, gateway)
     app.add_api_route(
         "/rollouts/{rollout_id}/reward", reward, methods=["POST"], **_ROUTES["reward"]
     )
@@ -305,48 +311,6 @@ def _sse(body: dict[str, Any]) -> bytes:
     return b"data: " + orjson.dumps(body) + b"\n\n"
 
 
-def _pieces(served: Served, c: Choice) -> list[str]:
-    """The content split at token boundaries, so chunks arrive as the model wrote them."""
-    if not c.reply.content:
-        return []
-    if c.reply.tool_calls or c.text.strip() != c.reply.content:
-        return [c.reply.content]
-    pieces: list[str] = []
-    before = ""
-    ids = c.gen.completion_ids
-    for i in range(1, len(ids) + 1):
-        now = decode(served.tokenizer, ids[:i], skip_special=True)
-        if now.startswith(before) and len(now) > len(before):
-            pieces.append(now[len(before) :])
-            before = now
-    joined = "".join(pieces)
-    # Fall back to one chunk if token-wise decoding does not reassemble the content.
-    return pieces if joined.strip() == c.reply.content and joined == c.text else [c.reply.content]
-
-
-async def _chat_events(served: Served, usage: bool) -> AsyncIterator[bytes]:
-    head = {
-        "id": served.id,
-        "object": "chat.completion.chunk",
-        "created": served.created,
-        "model": served.model,
-    }
-    for c in served.choices:
-        delta: dict[str, Any] = {"role": "assistant", "content": ""}
-        yield _sse({**head, "choices": [{"index": c.index, "delta": delta}]})
-        for piece in _pieces(served, c):
-            yield _sse({**head, "choices": [{"index": c.index, "delta": {"content": piece}}]})
-        if c.reply.tool_calls:
-            calls = wire_message(c.reply, c.call_ids)["tool_calls"]
-            delta = {"tool_calls": [{"index": i, **call} for i, call in enumerate(calls)]}
-            yield _sse({**head, "choices": [{"index": c.index, "delta": delta}]})
-        done = {"index": c.index, "delta": {}, "finish_reason": c.finish_reason}
-        yield _sse({**head, "choices": [done]})
-    if usage:
-        yield _sse({**head, "choices": [], "usage": _usage(served)})
-    yield b"data: [DONE]\n\n"
-
-
 async def _reply_events(body: dict[str, Any], usage: bool) -> AsyncIterator[bytes]:
     """A finished chat reply (a remote role's) as a stream: each choice's message in one
     delta, then its finish reason."""
@@ -365,18 +329,4 @@ async def _reply_events(body: dict[str, Any], usage: bool) -> AsyncIterator[byte
         yield _sse({**head, "choices": [done]})
     if usage and body.get("usage"):
         yield _sse({**head, "choices": [], "usage": body["usage"]})
-    yield b"data: [DONE]\n\n"
-
-
-async def _completion_events(served: Served) -> AsyncIterator[bytes]:
-    head = {
-        "id": served.id,
-        "object": "text_completion",
-        "created": served.created,
-        "model": served.model,
-    }
-    for c in served.choices:
-        yield _sse({**head, "choices": [{"index": c.index, "text": c.text, "finish_reason": None}]})
-        done = {"index": c.index, "text": "", "finish_reason": c.finish_reason}
-        yield _sse({**head, "choices": [done]})
     yield b"data: [DONE]\n\n"

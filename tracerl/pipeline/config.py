@@ -12,7 +12,14 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from tracerl.algorithms.config import AlgorithmConfig, CurationConfig
 from tracerl.engines.config import EngineConfig
-from tracerl.roles import PolicySpec, RoleConfig, check_local_models, policy_specs, top_model
+from tracerl.roles import (
+    GatewayConfig,
+    PolicySpec,
+    RoleConfig,
+    check_local_models,
+    policy_specs,
+    top_model,
+)
 from tracerl.runner import RunnerConfig
 from tracerl.trainer.config import TrainerConfig
 
@@ -145,6 +152,8 @@ class TrainConfig(BaseModel):
     """How the policy is served."""
     guard: GuardConfig = GuardConfig()
     """Guard rails: pre-flight check, best checkpoint, collapse detection, rollback."""
+    gateway: GatewayConfig = GatewayConfig()
+    """Model names the agent's clients hard-code, mapped to roles."""
     device: str = Field(default="cpu")
     """torch device of the trainer ("cpu", "cuda", "cuda:1"); the engine's too unless
     engine.device is given: one switch moves the run to a GPU."""

@@ -38,7 +38,7 @@ from tracerl.pipeline.guards import Guards
 from tracerl.pipeline.preflight import PreflightReport, preflight
 from tracerl.pipeline.sources import Agents, RolloutSource, SyncSource, TaskOrder
 from tracerl.pipeline.step import Pipeline, Policy
-from tracerl.roles import PolicySpec, remote_roles
+from tracerl.roles import GatewayConfig, PolicySpec, remote_roles
 from tracerl.runner import AgentFn, RewardFn, load_agent, load_callable
 from tracerl.stack import LocalStack, start_multi_stack
 from tracerl.trainer.trainer import Trainer
@@ -80,11 +80,14 @@ def start_roles_stack(
     engine: EngineConfig,
     host: str = "127.0.0.1",
     port: int = 0,
+    gateway: GatewayConfig | None = None,
 ) -> LocalStack:
     """Serve every policy's roles from its own engine and the remote roles by forwarding."""
     models: dict[str, str | Path] = {p.name: p.model for p in specs}
     roles = {role: p.name for p in specs for role in p.roles}
-    return start_multi_stack(models, roles, store_path, engine, host, port, remote=remote)
+    return start_multi_stack(
+        models, roles, store_path, engine, host, port, remote, gateway_cfg=gateway
+    )
 
 
 def split_tasks(cfg: TrainConfig) -> tuple[list[Task], list[Task]]:
@@ -198,7 +201,9 @@ def train(
     with ExitStack() as exits:  # unwinds in reverse: source first, serving stack last
         specs = cfg.policies()
         store = cfg.store or run_dir / "traces.db"
-        stack = start_roles_stack(specs, remote_roles(cfg.roles), store, cfg.engine)
+        stack = start_roles_stack(
+            specs, remote_roles(cfg.roles), store, cfg.engine, gateway=cfg.gateway
+        )
         exits.callback(stack.close)
         log = MetricsLog(run_dir)
         exits.callback(log.close)
