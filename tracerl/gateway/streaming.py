@@ -39,7 +39,7 @@ TOOL_CALL_START = "<tool_call>"
 reads)."""
 
 _RUNNING: set[asyncio.Task[Served]] = set()
-"""Calls whose client may have gone: each finishes and is recorded even so."""
+"""Streamed calls in flight, held until done (a cancelled one until its cancellation lands)."""
 
 
 class TextDeltas:
@@ -117,8 +117,9 @@ async def stream_call(
     gateway: Gateway, p: Pending, strip: bool = True
 ) -> AsyncIterator[str | Served]:
     """Run a checked one-choice call: pieces of its text as they are sampled, then the
-    Served (whose first choice's text the pieces add up to). The call is sampled and
-    recorded to the end even if the consumer stops early (the client went away)."""
+    Served (whose first choice's text the pieces add up to). If the consumer stops early
+    (the client went away), sampling is cancelled and nothing is recorded, as for a plain
+    call whose client disconnects."""
     text = TextDeltas(p.served, p.params.stop, p.tools is not None, strip)
     pieces: asyncio.Queue[str | asyncio.Task[Served]] = asyncio.Queue()
 
@@ -131,18 +132,22 @@ async def stream_call(
     _RUNNING.add(task)
     task.add_done_callback(_RUNNING.discard)
     task.add_done_callback(pieces.put_nowait)
-    while True:
-        item = await pieces.get()
-        if isinstance(item, str):
-            yield item
-            continue
-        served = item.result()
-        c = served.choices[0]
-        rest = text.finish(c.reply.content if strip else c.text)
-        if rest:
-            yield rest
-        yield served
-        return
+    try:
+        while True:
+            item = await pieces.get()
+            if isinstance(item, str):
+                yield item
+                continue
+            served = item.result()
+            c = served.choices[0]
+            rest = text.finish(c.reply.content if strip else c.text)
+            if rest:
+                yield rest
+            yield served
+            return
+    finally:
+        if not task.done():
+            task.cancel()  # the consumer left before the call ended: stop sampling
 
 
 def sse(body: dict[str, Any], event: str | None = None) -> bytes:
