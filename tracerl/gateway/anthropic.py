@@ -22,14 +22,22 @@ from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import Response, StreamingResponse
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError
 
 from tracerl.gateway.chat import ChatRequest, wire_message
 from tracerl.gateway.core import Gateway
 from tracerl.gateway.errors import GatewayError, invalid
 from tracerl.gateway.served import Choice, Pending, Served
 from tracerl.gateway.streaming import sse, stream_call
-from tracerl.gateway.wire import json_response, parent_of, read_json, rollout_of
+from tracerl.gateway.wire import (
+    MODEL_CALL_DOC,
+    REPLY_DOC,
+    json_response,
+    parent_of,
+    read_json,
+    rollout_of,
+)
+from tracerl.store.wire import body_doc
 
 __all__ = ["MessagesRequest", "register_messages"]
 
@@ -97,10 +105,14 @@ def register_messages(app: FastAPI, gateway: Gateway) -> None:
         req = _request(await read_json(request))
         return json_response({"input_tokens": await gateway.count_tokens(_chat(req))})
 
+    # Anthropic's error body ({"type": "error", "error": {"type", "message"}}) has the
+    # `error` object every API's refusal shares, so one declared schema fits all.
+    doc: dict[str, Any] = {"openapi_extra": body_doc(TypeAdapter(MessagesRequest)),
+           "responses": {**REPLY_DOC, **MODEL_CALL_DOC}}  # fmt: skip
     for prefix in ("", "/rollouts/{rollout_id}"):
-        app.add_api_route(f"{prefix}/v1/messages", _shaped(create), methods=["POST"])
+        app.add_api_route(f"{prefix}/v1/messages", _shaped(create), methods=["POST"], **doc)
         app.add_api_route(
-            f"{prefix}/v1/messages/count_tokens", _shaped(count_tokens), methods=["POST"]
+            f"{prefix}/v1/messages/count_tokens", _shaped(count_tokens), methods=["POST"], **doc
         )
 
 

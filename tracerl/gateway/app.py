@@ -27,7 +27,7 @@ from tracerl.gateway.chat import ChatRequest, CompletionRequest, wire_message
 from tracerl.gateway.core import Choice, Gateway, GatewayError, Served, decode, invalid
 from tracerl.gateway.responses import register_responses
 from tracerl.gateway.streaming import chat_events, completion_events
-from tracerl.gateway.wire import PARENT_HEADER, ROLLOUT_HEADER
+from tracerl.gateway.wire import MODEL_CALL_DOC, PARENT_HEADER, REPLY_DOC, ROLLOUT_HEADER
 from tracerl.limits import ClientGone, Limits, LimitsMiddleware, unless_disconnected
 from tracerl.store.http import install_error_handlers, store_router
 from tracerl.store.wire import body_doc, errors_doc
@@ -85,22 +85,11 @@ def _check_sampling(limits: Limits, n: int, max_tokens: int | None) -> None:
         raise GatewayError(400, message, param="max_tokens", code="max_tokens_too_large")
 
 
-_MODEL_CALL = errors_doc(400, 404, 409, 429)
-"""What a model call may answer besides 200 (and the app-wide 401/403/408/413)."""
-_REPLY: dict[int | str, dict[str, Any]] = {
-    200: {
-        "description": "The reply (server-sent events when `stream` is true)",
-        "content": {
-            "application/json": {"schema": {"type": "object"}},
-            "text/event-stream": {"schema": {"type": "string"}},
-        },
-    }
-}
 _ROUTES: dict[str, dict[str, Any]] = {
     "chat": {"openapi_extra": body_doc(TypeAdapter(ChatRequest)), "responses": {
-        **_REPLY, **_MODEL_CALL, **errors_doc(502)}},
+        **REPLY_DOC, **MODEL_CALL_DOC, **errors_doc(502)}},
     "complete": {"openapi_extra": body_doc(TypeAdapter(CompletionRequest)), "responses": {
-        **_REPLY, **_MODEL_CALL}},
+        **REPLY_DOC, **MODEL_CALL_DOC}},
     "models": {"responses": errors_doc(404)},
     "reward": {"openapi_extra": body_doc(TypeAdapter(RewardRequest)),
                "responses": errors_doc(400, 404, 409)},

@@ -26,14 +26,22 @@ from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import Response, StreamingResponse
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError
 
 from tracerl.gateway.chat import ChatRequest, wire_message
 from tracerl.gateway.core import Gateway
 from tracerl.gateway.errors import GatewayError, invalid
 from tracerl.gateway.served import Choice, Pending, Served
 from tracerl.gateway.streaming import sse, stream_call
-from tracerl.gateway.wire import json_response, parent_of, read_json, rollout_of
+from tracerl.gateway.wire import (
+    MODEL_CALL_DOC,
+    REPLY_DOC,
+    json_response,
+    parent_of,
+    read_json,
+    rollout_of,
+)
+from tracerl.store.wire import body_doc, errors_doc
 
 __all__ = ["ResponsesRequest", "register_responses"]
 
@@ -120,9 +128,14 @@ def register_responses(app: FastAPI, gateway: Gateway) -> None:
             )
         return json_response(found.body)
 
+    post: dict[str, Any] = {"openapi_extra": body_doc(TypeAdapter(ResponsesRequest)),
+            "responses": {**REPLY_DOC, **MODEL_CALL_DOC}}  # fmt: skip
+    get: dict[str, Any] = {"responses": {200: REPLY_DOC[200], **errors_doc(404)}}
     for prefix in ("", "/rollouts/{rollout_id}"):
-        app.add_api_route(f"{prefix}/v1/responses", create, methods=["POST"])
-        app.add_api_route(f"{prefix}/v1/responses/{{response_id}}", retrieve, methods=["GET"])
+        app.add_api_route(f"{prefix}/v1/responses", create, methods=["POST"], **post)
+        app.add_api_route(
+            f"{prefix}/v1/responses/{{response_id}}", retrieve, methods=["GET"], **get
+        )
 
 
 def _previous(stored: OrderedDict[str, Stored], response_id: str | None) -> list[dict[str, Any]]:

@@ -10,15 +10,32 @@ from fastapi import Request
 from fastapi.responses import Response
 
 from tracerl.gateway.errors import GatewayError
+from tracerl.store.wire import errors_doc
 
 __all__ = [
+    "MODEL_CALL_DOC",
     "PARENT_HEADER",
+    "REPLY_DOC",
     "ROLLOUT_HEADER",
     "json_response",
     "parent_of",
     "read_json",
     "rollout_of",
 ]
+
+MODEL_CALL_DOC = errors_doc(400, 404, 409, 429, 502)
+"""OpenAPI statuses a model call may answer besides 200 (and the app-wide 401/403/408/413);
+every API's error body has an `error` object with `message` and `type`."""
+REPLY_DOC: dict[int | str, dict[str, Any]] = {
+    200: {
+        "description": "The reply (server-sent events when `stream` is true)",
+        "content": {
+            "application/json": {"schema": {"type": "object"}},
+            "text/event-stream": {"schema": {"type": "string"}},
+        },
+    }
+}
+"""OpenAPI 200 of a model call: a JSON body, or an event stream."""
 
 ROLLOUT_HEADER = "x-tracerl-rollout"
 """Names the rollout a call to plain /v1 belongs to."""
