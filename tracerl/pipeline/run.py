@@ -33,6 +33,7 @@ from tracerl.metrics import MetricsLog, plot_pipeline, plot_rewards, step_values
 from tracerl.pipeline.async_source import AsyncSource
 from tracerl.pipeline.checkpoints import Checkpoints
 from tracerl.pipeline.config import TrainConfig
+from tracerl.pipeline.control import Control
 from tracerl.pipeline.sources import Agents, RolloutSource, SyncSource, TaskOrder
 from tracerl.pipeline.step import Pipeline, Policy
 from tracerl.roles import PolicySpec, remote_roles
@@ -210,7 +211,9 @@ def _loop(run: _Run) -> TrainSummary:
         before = run.evaluate(run.held_out, "eval before")
         run.log.log(0, {"eval/success": before})
     bar = tqdm(total=cfg.pipeline.steps, initial=pipeline.step, desc="train", unit="step")
-    while pipeline.step < cfg.pipeline.steps:
+    # Live control (tracerl ctl, the dashboard): commands applied between steps.
+    control = Control(run.run_dir, cfg, pipeline)
+    while pipeline.step < cfg.pipeline.steps and control.between_steps(bar):
         report = pipeline.run_step()
         values = step_values(report)
         values["time/wall_s"] = time.perf_counter() - run.started
@@ -219,7 +222,7 @@ def _loop(run: _Run) -> TrainSummary:
         if every and report.step % every == 0 and report.step < cfg.pipeline.steps:
             subset = run.held_out[: cfg.pipeline.eval_size]
             values["eval/success"] = run.evaluate(subset, f"eval step {report.step}")
-        run.log.log(report.step, values)
+        run.log.log(report.step, values | control.metrics())
         bar.update(1)
         bar.set_postfix(
             reward=f"{report.reward:.2f}",
