@@ -19,6 +19,7 @@ from pydantic import BaseModel, ValidationError
 
 from tracerl.pipeline.config import TrainConfig
 from tracerl.pipeline.control_files import (
+    STATE,
     Applied,
     Command,
     ControlState,
@@ -170,13 +171,13 @@ class Runs:
         )  # fmt: skip
 
     def _state(self, run: Path, control: ControlState | None) -> State:
+        # summary.json is written last; a resumed run rewrites config.json first.
+        started = max(_mtime(run / STATE), _mtime(run / "config.json"))
+        if (run / "summary.json").exists() and _mtime(run / "summary.json") >= started:
+            return "finished"
         if is_live(control):
             assert control is not None
             return "training" if control.state == "running" else control.state
-        if (run / "summary.json").exists() and _mtime(run / "summary.json") >= _mtime(
-            run / "metrics.jsonl"
-        ):
-            return "finished"
         if control is not None:
             return "stopped"
         # A run without control files (written before them, or not started yet).

@@ -126,10 +126,8 @@ class Control:
     # -- reading -----------------------------------------------------------------------
 
     def poll(self) -> list[Command]:
-        """Commands sent and not yet applied, in order."""
-        new = [c for c in read_commands(self.run_dir) if c.id not in self._seen]
-        self._seen.update(c.id for c in new)
-        return new
+        """Commands sent and not yet applied, in order (the same ones until applied)."""
+        return [c for c in read_commands(self.run_dir) if c.id not in self._seen]
 
     # -- applying ----------------------------------------------------------------------
 
@@ -153,6 +151,7 @@ class Control:
 
     def _apply(self, commands: list[Command]) -> None:
         for cmd in commands:
+            self._seen.add(cmd.id)
             try:
                 value = self._do(cmd)
                 self._answer(cmd, value=value)
