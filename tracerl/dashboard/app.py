@@ -24,6 +24,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import FileResponse, JSONResponse
 from fastapi.staticfiles import StaticFiles
 from pydantic import BaseModel, ConfigDict, Field, JsonValue
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from tracerl.algorithms.config import AlgorithmConfig
 from tracerl.dashboard.config import is_loopback
@@ -70,6 +71,10 @@ def _install_errors(app: FastAPI) -> None:
     async def api_error(request: Request, e: ApiError) -> JSONResponse:
         return _error(e.status, e.message, e.type)
 
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, e: StarletteHTTPException) -> JSONResponse:
+        return _error(e.status_code, str(e.detail), "not_found" if e.status_code == 404 else "http")
+
     @app.exception_handler(RequestValidationError)
     async def bad_input(request: Request, e: RequestValidationError) -> JSONResponse:
         err = e.errors()[0]
@@ -87,8 +92,8 @@ def _install_errors(app: FastAPI) -> None:
 
 def create_app(runs_root: str | Path, admin_key: str | None = None) -> FastAPI:
     """The dashboard over the runs in `runs_root`; `admin_key` (default:
-    $TRACERL_ADMIN_KEY) guards the control endpoint."""
-    key = admin_key if admin_key is not None else os.environ.get("TRACERL_ADMIN_KEY") or None
+    $TRACERL_ADMIN_KEY; "" for none) guards the control endpoint."""
+    key = (admin_key if admin_key is not None else os.environ.get("TRACERL_ADMIN_KEY")) or None
     runs = Runs(Path(runs_root))
     app = FastAPI(title="tracerl dashboard", docs_url=None, redoc_url=None)
     _install_errors(app)
@@ -158,10 +163,13 @@ def create_app(runs_root: str | Path, admin_key: str | None = None) -> FastAPI:
     def rollout(run: str, rollout_id: str) -> TraceView:
         s = store(run)
         cfg = runs.config(run)
-        decoders = {role: Decoder.load(runs.tokenizer_file(run, role)) for role in runs.roles(run)}
+
+        def decoder(role: str) -> Decoder | None:
+            return Decoder.load(runs.tokenizer_file(run, role))
+
         algorithm = cfg.algorithm if cfg else AlgorithmConfig()
         try:
-            return trace_view(s, rollout_id, decoders, algorithm.build(),
+            return trace_view(s, rollout_id, decoder, algorithm.build(),
                               runs.steps(run).get(rollout_id))  # fmt: skip
         except KeyError:
             raise ApiError(404, f"no rollout {rollout_id!r} in run {run!r}", "not_found") from None

@@ -198,15 +198,6 @@ class Runs:
             updated_at=_mtime(run / "metrics.jsonl") or None,
         )  # fmt: skip
 
-    def roles(self, name: str) -> list[str]:
-        """The roles the run serves from local weights (its config's policies)."""
-        cfg = self.config(name)
-        try:
-            specs = cfg.policies() if cfg else []
-        except ValueError:
-            specs = []
-        return sorted({role for s in specs for role in s.roles} or {"policy"})
-
     def tokenizer_file(self, name: str, role: str) -> Path | None:
         """tokenizer.json of the model that serves `role` in the run (its policy's model
         dir from config.json, else the exported model), None if none is found."""

@@ -12,6 +12,7 @@ rollout's group with the run's algorithm (`rows_for`), leaving out what only the
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 from pathlib import Path
 
 from pydantic import BaseModel, JsonValue
@@ -179,19 +180,20 @@ def span_advantages(
 def trace_view(
     store: RunStore,
     rollout_id: str,
-    decoder_for: dict[str, Decoder | None],
+    decoder_for: Callable[[str], Decoder | None],
     algorithm: Algorithm | None,
     step: int | None = None,
 ) -> TraceView:
-    """The trace page's data (KeyError for an unknown rollout). `decoder_for` maps each
-    role to its decoder; roles missing from it get '#<id>' texts."""
+    """The trace page's data (KeyError for an unknown rollout). `decoder_for` gives each
+    role's decoder; a role without one gets '#<id>' texts."""
     rollout, task, spans, rewards = store.rollout(rollout_id)
     advantages = span_advantages(store, rollout, task, algorithm) if algorithm else {}
+    decoders: dict[str, Decoder | None] = {}
     seen: dict[str, int] = {}
     new = {s.id: _new_messages(s, seen) for s in spans}  # in seq order, before reordering
     calls = []
     for span, depth in _tree_order(spans):
-        decoder = decoder_for.get(span.role)
+        decoder = decoders.setdefault(span.role, decoder_for(span.role))
         texts = decoder.texts(span.completion_ids) if decoder else None
         adv = advantages.get(span.id)
         tokens = [
@@ -226,5 +228,5 @@ def trace_view(
     group = [r.id for r in store.group(rollout.group_id)] if rollout.group_id else [rollout.id]
     return TraceView(
         rollout=rollout, task=task, rewards=rewards, calls=calls, group=group, step=step,
-        decoded=any(decoder_for.get(s.role) for s in spans),
+        decoded=any(decoders.values()),
     )  # fmt: skip
