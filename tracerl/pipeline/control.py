@@ -134,14 +134,12 @@ class Control:
     def between_steps(self, bar: tqdm | None = None) -> bool:
         """Apply every command sent; block while paused. False once the run should stop."""
         self._apply(self.poll())
+        _describe(bar, "paused" if self.paused_since is not None else "train")
         while self.paused_since is not None and not self.stopping:
-            if bar is not None:
-                bar.set_description_str("paused")
             time.sleep(_POLL_S)
             self._apply(self.poll())
             self._write_state()  # a heartbeat: the reader sees the pause is live
-        if bar is not None:
-            bar.set_description_str("stopping" if self.stopping else "train")
+        _describe(bar, "stopping" if self.stopping else "train")
         return not self.stopping
 
     def metrics(self) -> dict[str, float | int | str | None]:
@@ -236,3 +234,9 @@ class Control:
         tmp = self.run_dir / f".{STATE}.tmp"
         tmp.write_text(state.model_dump_json())
         os.replace(tmp, self.run_dir / STATE)
+
+
+def _describe(bar: tqdm | None, what: str) -> None:
+    """Show the loop's state in the progress bar (redrawn only when it changes)."""
+    if bar is not None and bar.desc != what:
+        bar.set_description_str(what)

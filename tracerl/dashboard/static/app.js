@@ -14,6 +14,8 @@ const CHARTS = [
   ["train/tokens_per_s", "train tokens/s"],
 ];
 const COLOURS = ["#2563c9", "#e0761b"];
+const UNIT = new Set(["train/reward", "eval/success", "runner/utilisation"]); // drawn on 0..1 at least
+const STEP_TICKS = [1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000]; // whole steps
 const PAGE = 50;
 
 const state = {
@@ -127,8 +129,12 @@ function drawCharts() {
     if (c.plot && c.plot.series.length === runs.length + 1) { c.plot.setData(data); continue; }
     if (c.plot) c.plot.destroy();
     c.body.replaceChildren();
+    const unit = UNIT.has(key) ? { range: (u, lo, hi) => [Math.min(0, lo), Math.max(1, hi)] } : {};
     c.plot = new uPlot({
-      width: Math.max(280, c.el.clientWidth - 10), height: 170, scales: { x: { time: false } },
+      width: Math.max(280, c.el.clientWidth - 10), height: 170,
+      scales: { x: { time: false }, y: unit },
+      axes: [{ incrs: STEP_TICKS }, {}],
+      legend: { show: runs.length > 1 }, // a single run's colour needs no key
       series: [{ label: "step" }, ...runs.map((run, i) => ({
         label: run, stroke: COLOURS[i], width: 2, spanGaps: true, dash: i ? [6, 4] : undefined,
         points: { show: true, size: 4 },
@@ -307,7 +313,12 @@ async function tick() {
 function wire() {
   $("#run").addEventListener("change", (e) => selectRun(e.target.value));
   $("#compare").addEventListener("change", (e) => { state.compare = e.target.value; resetCharts(); refreshNow(); });
-  for (const b of document.querySelectorAll("#controls button[data-op]")) b.addEventListener("click", () => control(b.dataset.op));
+  for (const b of document.querySelectorAll("#controls button[data-op]")) {
+    b.addEventListener("click", () => {
+      if (b.dataset.op === "stop" && !confirm("Stop the run? It evaluates, exports and ends.")) return;
+      control(b.dataset.op);
+    });
+  }
   $("#btn-set").addEventListener("click", () => control("set", $("#set-key").value, parseValue($("#set-value").value)));
   $("#admin-key").value = state.adminKey;
   $("#admin-key").addEventListener("change", (e) => { state.adminKey = e.target.value; sessionStorage.setItem("tracerl-admin-key", state.adminKey); });
