@@ -133,6 +133,28 @@ def test_a_refused_set_is_answered_with_its_reason(tmp_path: Path) -> None:
     assert not answer.ok and "group_size" in (answer.error or "")
 
 
+def test_ctl_refuses_bad_commands_and_queues_for_a_run_not_training(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    (tmp_path / "config.json").write_text(TrainConfig().model_dump_json())
+    for args, says in [
+        (["set", "trainer.epochs=2"], "cannot be set"),
+        (["set"], "set needs key=value"),
+        (["pause", "trainer.lr=1"], "takes no key=value"),
+        (["set", "trainer.lr=-1"], "greater than 0"),
+    ]:
+        with pytest.raises(SystemExit, match=says):
+            cli(["ctl", str(tmp_path), *args])
+    with pytest.raises(SystemExit, match="not a run directory"):
+        cli(["ctl", str(tmp_path / "nope"), "pause"])
+    assert read_commands(tmp_path) == []
+    cli(["ctl", str(tmp_path), "set", "trainer.lr=0.002", "--wait", "0"])
+    assert "not training now" in capsys.readouterr().out
+    assert [(c.key, c.value) for c in read_commands(tmp_path)] == [("trainer.lr", 0.002)]
+    with pytest.raises(SystemExit, match="loopback"):
+        cli(["dashboard", "--host", "0.0.0.0"])
+
+
 # ------------------------------------------------------------------ a real run, end to end
 
 

@@ -32,7 +32,7 @@ from tracerl.store.schema import (
 )
 from tracerl.types import Reward, Rollout, RolloutStatus, Span, Task
 
-__all__ = ["Health", "Page", "RolloutFilter", "RolloutRow", "RunStore"]
+__all__ = ["Health", "Page", "RolloutFilter", "RolloutRow", "RunStore", "VersionView"]
 
 
 class RolloutFilter(BaseModel):
@@ -98,6 +98,19 @@ class Page(BaseModel):
     """Time the queries took."""
 
 
+class VersionView(BaseModel):
+    """The newest published version of one role."""
+
+    role: str
+    """The role (model name)."""
+    version: int
+    """Its newest version (= training steps done)."""
+    path: str
+    """The checkpoint holding those weights; "" when that step was not checkpointed."""
+    created_at: float
+    """When it was published."""
+
+
 class Health(BaseModel):
     """What the engine and runners are doing, from the store."""
 
@@ -113,8 +126,8 @@ class Health(BaseModel):
     """Model calls recorded in the last 60 s (among the newest _RECENT_ROWS)."""
     tokens_last_min: int
     """Tokens sampled in the last 60 s."""
-    versions: list[dict[str, object]]
-    """The newest published version of each role: role, version, path, created_at."""
+    versions: list[VersionView]
+    """The newest published version of each role."""
     versions_published: int
     """Versions published in all, over all roles."""
 
@@ -290,7 +303,7 @@ class RunStore:
             leases_expiring=expiring, leases_expired=expired, finished_last_min=finished,
             calls_last_min=calls, tokens_last_min=tokens, versions_published=published,
             versions=[
-                {"role": r, "version": v, "path": p, "created_at": t} for r, v, p, t in versions
+                VersionView(role=r, version=v, path=p, created_at=t) for r, v, p, t in versions
             ],
         )  # fmt: skip
 

@@ -117,7 +117,8 @@ class ControlState(_Record):
 
 def settable(key: str) -> bool:
     """Whether `set` may change `key` mid-run: the learning rate, the group size and the
-    curation switches (the parts read afresh at every step)."""
+    curation switches (the parts read afresh at every step). A new group size applies to
+    groups issued from then on; an async run has issued some groups ahead already."""
     if key in ("trainer.lr", "pipeline.group_size"):
         return True
     section, _, name = key.partition(".")

@@ -101,6 +101,13 @@ function chartData(key, runs) {
   return [xs, ...per.map((p) => xs.map((x) => (p.has(x) ? p.get(x) : null)))];
 }
 
+// uPlot's default labels round a learning rate of 3e-4 to "0".
+function tickLabel(v) {
+  if (v === 0) return "0";
+  const a = Math.abs(v);
+  return a < 0.01 || a >= 1e5 ? v.toExponential(1) : +v.toPrecision(3);
+}
+
 function resetCharts() {
   for (const c of Object.values(state.charts)) if (c.plot) c.plot.destroy();
   state.charts = {};
@@ -133,7 +140,7 @@ function drawCharts() {
     c.plot = new uPlot({
       width: Math.max(280, c.el.clientWidth - 10), height: 170,
       scales: { x: { time: false }, y: unit },
-      axes: [{ incrs: STEP_TICKS }, {}],
+      axes: [{ incrs: STEP_TICKS }, { values: (u, ticks) => ticks.map(tickLabel), size: 56 }],
       legend: { show: runs.length > 1 }, // a single run's colour needs no key
       series: [{ label: "step" }, ...runs.map((run, i) => ({
         label: run, stroke: COLOURS[i], width: 2, spanGaps: true, dash: i ? [6, 4] : undefined,
