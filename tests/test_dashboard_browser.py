@@ -6,6 +6,7 @@ test's tmp dir; the path is printed)."""
 
 from __future__ import annotations
 
+import json
 import os
 import time
 from pathlib import Path
@@ -85,7 +86,27 @@ def test_the_page_follows_a_live_run_and_pauses_it(
         assert tokens.count() > 0 and "logprob" in (tokens.first.get_attribute("title") or "")
         assert "hsl(" in (tokens.first.get_attribute("style") or "")
         assert page.locator("#trace-a .call").count() == 2  # the agent's two calls
+        page.select_option("#colour", "advantage")
+        assert "hsl(" not in (tokens.first.get_attribute("style") or "")
         page.screenshot(path=artifacts / "dashboard-trace.png", full_page=True)
+
+        # Another run on the same charts: its own dashed series, named in the legend.
+        other = tmp_path / "runs" / "other"
+        other.mkdir()
+        (other / "config.json").write_text(
+            cfg.model_copy(update={"name": "other"}).model_dump_json()
+        )
+        lines = [{"step": s, "train/reward": 0.5} for s in (1, 2, 3)]
+        (other / "metrics.jsonl").write_text("".join(json.dumps(x) + "\n" for x in lines))
+        page.wait_for_function(
+            "() => [...document.querySelectorAll('#compare option')].some(o => o.value === 'other')"
+        )
+        before = int(chart.get_attribute("data-points") or 0)
+        page.select_option("#compare", "other")
+        page.wait_for_function(
+            f"() => +document.querySelector('#chart-train-reward').dataset.points >= {before + 3}"
+        )
+        assert "other" in chart.locator(".u-legend").inner_text()
 
         # Pause: the page, the status endpoint and the loop agree; no step while paused.
         page.click("#btn-pause")

@@ -157,7 +157,6 @@ async function refreshStatus() {
   const badge = $("#run-state");
   badge.textContent = s.state;
   badge.className = `badge ${s.state}`;
-  $("#run-step").textContent = s.control ? `step ${s.control.step}` : "";
   $("#control-log").replaceChildren(
     ...s.pending.map((c) => h("div", {}, h("span", {}, `${c.op} ${c.key ?? ""} ${c.value ?? ""}`), h("span", { class: "dim" }, "pending"))),
     ...s.applied.slice().reverse().map((a) => h("div", {},
@@ -304,6 +303,8 @@ async function tick() {
     const table = force || (ticks % 3 === 0 && $("#live-table").checked && state.offset === 0);
     const metrics = Promise.all(runs.map(pollMetrics)).then((changed) => {
       if (changed.some(Boolean) || force) drawCharts();
+      const rows = state.metrics[state.run].rows;
+      $("#run-step").textContent = rows.length ? `step ${rows[rows.length - 1].step}` : "";
     });
     await Promise.all([metrics, refreshStatus(), refreshHealth(),
       table ? refreshRollouts() : null, ticks % 5 === 4 ? refreshRuns() : null]);
