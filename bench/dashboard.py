@@ -22,6 +22,7 @@ import statistics
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 import httpx
 
@@ -175,19 +176,27 @@ READY = """() => document.body.dataset.ready === '1'
   && document.querySelector('#health').children.length > 0"""
 
 
+def _load(browser: Any, url: str) -> tuple[Any, float]:
+    """A new page (its own context: nothing cached) loaded until READY; (page, seconds)."""
+    page = browser.new_context(viewport={"width": 1400, "height": 1000}).new_page()
+    t0 = time.perf_counter()
+    page.goto(url)
+    page.wait_for_function(READY, timeout=30_000)
+    return page, time.perf_counter() - t0
+
+
 def measure_page(url: str, run: Path, updates: int) -> tuple[list[float], list[float]]:
-    """(load times, update latencies) in seconds, in one chromium."""
+    """(load times, update latencies) in seconds, in one chromium. Each load is a new
+    visitor (a fresh context, no cache); the first also starts the browser's renderer and
+    warms the server up."""
     from playwright.sync_api import sync_playwright
 
     loads, lags = [], []
     with sync_playwright() as p:
         browser = p.chromium.launch(executable_path=CHROMIUM)
-        page = browser.new_page(viewport={"width": 1400, "height": 1000})
-        for _ in range(3):  # the first load also warms the browser and the server up
-            t0 = time.perf_counter()
-            page.goto(f"{url}/?run={run.name}")
-            page.wait_for_function(READY, timeout=30_000)
-            loads.append(time.perf_counter() - t0)
+        for _ in range(4):
+            page, seconds = _load(browser, f"{url}/?run={run.name}")
+            loads.append(seconds)
         last = max(
             json.loads(line)["step"] for line in (run / "metrics.jsonl").read_text().splitlines()
         )
@@ -224,7 +233,7 @@ def main() -> None:
         finally:
             server.stop()
     load, lag_med, lag_max = statistics.median(loads[1:]), statistics.median(lags), max(lags)
-    print(f"page load: {[round(x, 3) for x in loads]} s (median after the first {load:.3f} s)")
+    print(f"page load: {[round(x, 3) for x in loads]} s (median after the first: {load:.3f} s)")
     print(f"live update: {[round(x, 3) for x in lags]} s (median {lag_med:.3f}, max {lag_max:.3f})")
     print(json.dumps({
         "rollouts": args.rollouts, "load_s": round(load, 3), "first_load_s": round(loads[0], 3),

@@ -21,8 +21,7 @@ from typing import Annotated, Any
 
 from fastapi import Depends, FastAPI, Query, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import FileResponse, JSONResponse
-from fastapi.staticfiles import StaticFiles
+from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, ConfigDict, Field, JsonValue
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
@@ -97,7 +96,7 @@ def create_app(runs_root: str | Path, admin_key: str | None = None) -> FastAPI:
     runs = Runs(Path(runs_root))
     app = FastAPI(title="tracerl dashboard", docs_url=None, redoc_url=None)
     _install_errors(app)
-    app.mount("/static", StaticFiles(directory=STATIC), name="static")
+    files = _static_files()
 
     def run_dir(run: str) -> Path:
         try:
@@ -120,8 +119,14 @@ def create_app(runs_root: str | Path, admin_key: str | None = None) -> FastAPI:
             raise ApiError(403, "control without an admin key is open to loopback only", "auth")
 
     @app.get("/", include_in_schema=False)
-    def page() -> FileResponse:
-        return FileResponse(STATIC / "index.html")
+    async def page() -> Response:
+        return files["index.html"]
+
+    @app.get("/static/{name}", include_in_schema=False)
+    async def static(name: str) -> Response:
+        if name not in files:
+            raise ApiError(404, f"no file {name!r}", "not_found")
+        return files[name]
 
     @app.get("/api/auth")
     def auth() -> dict[str, bool]:
@@ -184,3 +189,20 @@ def create_app(runs_root: str | Path, admin_key: str | None = None) -> FastAPI:
         return {"command": cmd.model_dump(), "live": is_live(read_state(path))}
 
     return app
+
+
+_TYPES = {".html": "text/html", ".js": "text/javascript", ".css": "text/css"}
+
+
+def _static_files() -> dict[str, Response]:
+    """The page's files, read once: served from memory (async, no file I/O per request),
+    so a first visit costs no thread hops on a busy machine."""
+    return {
+        path.name: Response(
+            path.read_bytes(),
+            media_type=_TYPES.get(path.suffix, "text/plain") + "; charset=utf-8",
+            headers={"cache-control": "no-cache"},  # revalidated: a new version shows at once
+        )
+        for path in STATIC.iterdir()
+        if path.is_file()
+    }

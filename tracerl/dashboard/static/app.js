@@ -341,6 +341,8 @@ async function main() {
   wire();
   resetCharts();
   api("/api/auth").then((a) => { $("#admin-key").hidden = !a.required; });
+  const asked = new URLSearchParams(location.search).get("run");
+  if (asked) selectRun(asked); // the run's data and the runs list load in parallel
   await refreshRuns();
   setInterval(tick, 1000);
 }
