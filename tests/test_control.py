@@ -133,6 +133,16 @@ def test_a_refused_set_is_answered_with_its_reason(tmp_path: Path) -> None:
     assert not answer.ok and "group_size" in (answer.error or "")
 
 
+def test_hand_edited_bad_lines_never_stop_the_loop(tmp_path: Path) -> None:
+    cfg = TrainConfig()
+    (tmp_path / "config.json").write_text(cfg.model_dump_json())
+    control = Control(tmp_path, cfg, _fake_pipeline(step=1))
+    with (tmp_path / "control.jsonl").open("a") as f:
+        f.write('{"id": "a", "op": "explode", "at": 1}\nnot json\n')
+    ok = send(tmp_path, "checkpoint")
+    assert [c.id for c in control.poll()] == [ok.id]
+
+
 def test_ctl_refuses_bad_commands_and_queues_for_a_run_not_training(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

@@ -96,27 +96,30 @@ def create_app(runs_root: str | Path, admin_key: str | None = None) -> FastAPI:
     runs = Runs(Path(runs_root))
     app = FastAPI(title="tracerl dashboard", docs_url=None, redoc_url=None)
     _install_errors(app)
+    _page_routes(app, key)
+    _run_routes(app, runs)
+    _rollout_routes(app, runs)
+    _control_routes(app, runs, key)
+    return app
+
+
+def _run_dir(runs: Runs, run: str) -> Path:
+    try:
+        return runs.dir(run)
+    except KeyError:
+        raise ApiError(404, f"no run {run!r} in {runs.root}", "not_found") from None
+
+
+def _store(runs: Runs, run: str) -> RunStore:
+    path = _run_dir(runs, run) / "traces.db"
+    if not path.exists():
+        raise ApiError(404, f"run {run!r} has no traces.db yet", "not_found")
+    return RunStore(path)
+
+
+def _page_routes(app: FastAPI, key: str | None) -> None:
+    """The page, its files, and whether it must ask for the admin key."""
     files = _static_files()
-
-    def run_dir(run: str) -> Path:
-        try:
-            return runs.dir(run)
-        except KeyError:
-            raise ApiError(404, f"no run {run!r} in {runs.root}", "not_found") from None
-
-    def store(run: str) -> RunStore:
-        path = run_dir(run) / "traces.db"
-        if not path.exists():
-            raise ApiError(404, f"run {run!r} has no traces.db yet", "not_found")
-        return RunStore(path)
-
-    def authorize(request: Request) -> None:
-        if key is not None:
-            given = request.headers.get("authorization", "")
-            if not hmac.compare_digest(given.encode(), f"Bearer {key}".encode()):
-                raise ApiError(401, "control needs Authorization: Bearer <admin key>", "auth")
-        elif request.client is None or not is_loopback(request.client.host):
-            raise ApiError(403, "control without an admin key is open to loopback only", "auth")
 
     @app.get("/", include_in_schema=False)
     async def page() -> Response:
@@ -133,13 +136,17 @@ def create_app(runs_root: str | Path, admin_key: str | None = None) -> FastAPI:
         """Whether control needs the admin key (the page then asks for it)."""
         return {"required": key is not None}
 
+
+def _run_routes(app: FastAPI, runs: Runs) -> None:
+    """The runs list, and each run's config, metrics, status and health."""
+
     @app.get("/api/runs")
     def list_runs() -> dict[str, list[RunSummary]]:
         return {"runs": [runs.summary(name) for name in runs.names()]}
 
     @app.get("/api/runs/{run}/config")
     def config(run: str) -> dict[str, Any]:
-        run_dir(run)
+        _run_dir(runs, run)
         cfg = runs.config(run)
         if cfg is None:
             raise ApiError(404, f"run {run!r} has no readable config.json", "not_found")
@@ -147,48 +154,61 @@ def create_app(runs_root: str | Path, admin_key: str | None = None) -> FastAPI:
 
     @app.get("/api/runs/{run}/metrics")
     def metrics(run: str, since: Annotated[int, Query(ge=0)] = 0) -> MetricsChunk:
-        run_dir(run)
+        _run_dir(runs, run)
         return runs.metrics(run, since)
 
     @app.get("/api/runs/{run}/status")
     def status(run: str) -> RunStatus:
-        run_dir(run)
+        _run_dir(runs, run)
         return runs.status(run)
 
     @app.get("/api/runs/{run}/health")
     def health(run: str) -> Health:
-        return store(run).health()
+        return _store(runs, run).health()
+
+
+def _rollout_routes(app: FastAPI, runs: Runs) -> None:
+    """The rollouts table and the trace view."""
 
     @app.get("/api/runs/{run}/rollouts")
     def rollouts(run: str, f: Annotated[RolloutFilter, Query()]) -> Page:
-        s = store(run)
-        return s.page(f, runs.steps(run))
+        return _store(runs, run).page(f, runs.steps(run))
 
     @app.get("/api/runs/{run}/rollouts/{rollout_id}")
     def rollout(run: str, rollout_id: str) -> TraceView:
-        s = store(run)
+        store = _store(runs, run)
         cfg = runs.config(run)
 
         def decoder(role: str) -> Decoder | None:
             return Decoder.load(runs.tokenizer_file(run, role))
 
-        algorithm = cfg.algorithm if cfg else AlgorithmConfig()
+        algorithm = (cfg.algorithm if cfg else AlgorithmConfig()).build()
+        step = runs.steps(run).get(rollout_id)
         try:
-            return trace_view(s, rollout_id, decoder, algorithm.build(),
-                              runs.steps(run).get(rollout_id))  # fmt: skip
+            return trace_view(store, rollout_id, decoder, algorithm, step)
         except KeyError:
             raise ApiError(404, f"no rollout {rollout_id!r} in run {run!r}", "not_found") from None
 
+
+def _control_routes(app: FastAPI, runs: Runs, key: str | None) -> None:
+    """Commands to a run's training loop, behind the admin key when one is set."""
+
+    def authorize(request: Request) -> None:
+        if key is not None:
+            given = request.headers.get("authorization", "")
+            if not hmac.compare_digest(given.encode(), f"Bearer {key}".encode()):
+                raise ApiError(401, "control needs Authorization: Bearer <admin key>", "auth")
+        elif request.client is None or not is_loopback(request.client.host):
+            raise ApiError(403, "control without an admin key is open to loopback only", "auth")
+
     @app.post("/api/runs/{run}/control", status_code=202, dependencies=[Depends(authorize)])
     def control(run: str, body: ControlRequest) -> dict[str, Any]:
-        path = run_dir(run)
+        path = _run_dir(runs, run)
         try:
             cmd: Command = send(path, body.op, body.key, body.value, origin="dashboard")
         except ValueError as e:
             raise ApiError(400, str(e)) from None
         return {"command": cmd.model_dump(), "live": is_live(read_state(path))}
-
-    return app
 
 
 _TYPES = {".html": "text/html", ".js": "text/javascript", ".css": "text/css"}

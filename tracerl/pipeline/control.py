@@ -22,8 +22,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from pydantic import JsonValue
+from tqdm import tqdm
 
-from tracerl.algorithms.curation import Curation
+from tracerl.algorithms.curation import Curation, CurationState
 from tracerl.pipeline.config import TrainConfig
 from tracerl.pipeline.control_files import (
     APPLIED,
@@ -33,15 +34,12 @@ from tracerl.pipeline.control_files import (
     Command,
     ControlState,
     append,
-    json_lines,
     read_applied,
     read_commands,
     with_setting,
 )
 
 if TYPE_CHECKING:
-    from tqdm import tqdm
-
     from tracerl.pipeline.step import Pipeline
     from tracerl.trainer.trainer import Trainer
 
@@ -95,10 +93,8 @@ class Control:
         if not commands.exists():
             return
         since = (self.run_dir / "config.json").stat().st_mtime
-        old = self.run_dir / "control.prev.jsonl"
-        os.replace(commands, old)
-        for line in json_lines(old):
-            cmd = Command.model_validate(line)
+        os.replace(commands, self.run_dir / "control.prev.jsonl")
+        for cmd in read_commands(self.run_dir, "control.prev.jsonl"):
             if cmd.at >= since:
                 append(commands, cmd)
 
@@ -108,7 +104,10 @@ class Control:
         self._seen = {a.id for a in applied}
         for a in applied:
             if a.op == "set" and a.ok and a.key is not None:
-                self._set(a.key, a.value)
+                try:
+                    self._set(a.key, a.value)
+                except ValueError as e:  # e.g. the resumed run's flags conflict with it
+                    tqdm.write(f"control: {a.key}={a.value!r} not replayed: {e}")
         if any(a.op == "set" and a.ok and a.key != "trainer.lr" for a in applied):
             self._reload_curation_memory()
 
@@ -119,8 +118,6 @@ class Control:
         if latest is None:
             return
         saved = json.loads((latest / "pipeline.json").read_text()).get("curation", {})
-        from tracerl.algorithms.curation import CurationState
-
         self.pipeline.curation.load_state(CurationState.model_validate(saved))
 
     # -- reading -----------------------------------------------------------------------

@@ -16,7 +16,7 @@ import socket
 import time
 import uuid
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, JsonValue, ValidationError
 
@@ -183,14 +183,29 @@ def append(path: Path, record: BaseModel) -> None:
         f.write(record.model_dump_json() + "\n")
 
 
-def read_commands(run_dir: str | Path) -> list[Command]:
-    """Every command sent to the run, in order."""
-    return [Command.model_validate(c) for c in json_lines(Path(run_dir) / COMMANDS)]
+_R = TypeVar("_R", bound=BaseModel)
+
+
+def _records(path: Path, record: type[_R]) -> list[_R]:
+    """The file's lines that are valid records; a hand-edited bad line is skipped rather
+    than stopping a training loop (`send` only writes valid ones)."""
+    out = []
+    for line in json_lines(path):
+        try:
+            out.append(record.model_validate(line))
+        except ValidationError:
+            continue
+    return out
+
+
+def read_commands(run_dir: str | Path, file: str = COMMANDS) -> list[Command]:
+    """Every command sent to the run, in order (from `file` in the run dir)."""
+    return _records(Path(run_dir) / file, Command)
 
 
 def read_applied(run_dir: str | Path) -> list[Applied]:
     """What the training loop did with each command it read, in order."""
-    return [Applied.model_validate(a) for a in json_lines(Path(run_dir) / APPLIED)]
+    return _records(Path(run_dir) / APPLIED, Applied)
 
 
 def read_state(run_dir: str | Path) -> ControlState | None:
