@@ -19,6 +19,7 @@ import torch
 
 from tracerl.cli import main as cli
 from tracerl.examples import example_module
+from tracerl.pipeline.checkpoints import read_ledger
 from tracerl.pipeline.config import PipelineConfig, TrainConfig
 from tracerl.pipeline.control import Control, set_lr
 from tracerl.pipeline.control_files import (
@@ -206,7 +207,9 @@ class BackgroundRun:
         return self.summary
 
 
-def run_config(tmp: Path, model: Path, steps: int, name: str = "live") -> TrainConfig:
+def run_config(
+    tmp: Path, model: Path, steps: int, name: str = "live", checkpoint_every: int = 1
+) -> TrainConfig:
     """A small real run: the tiny model, an agent with two calls, 2 tasks x 2 per step."""
     make_tasks = example_module("calculator", "tasks").make_tasks
     tasks = tmp / "tasks.jsonl"
@@ -216,7 +219,8 @@ def run_config(tmp: Path, model: Path, steps: int, name: str = "live") -> TrainC
         name=name, runs=str(tmp / "runs"), model=str(model), tasks=str(tasks),
         agent=f"{ROOT}/tests/agents/slow_agent.py:run",
         reward=f"{ROOT}/examples/calculator/reward.py:reward", eval_before=False,
-        pipeline=PipelineConfig(steps=steps, tasks_per_step=2, group_size=2, eval_every=0),
+        pipeline=PipelineConfig(steps=steps, tasks_per_step=2, group_size=2, eval_every=0,
+                                checkpoint_every=checkpoint_every),
         trainer=TrainerConfig(lr=1e-3, bf16=False),
     )  # fmt: skip
 
@@ -251,7 +255,8 @@ def test_ctl_mid_run_set_pause_resume_stop_then_resume(
     tiny_model_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setenv("SLOW_AGENT_SLEEP", "0.1")
-    cfg = run_config(tmp_path, tiny_model_dir, steps=8)
+    # Checkpoints only on demand (and at the last step), so `checkpoint` writes one.
+    cfg = run_config(tmp_path, tiny_model_dir, steps=8, checkpoint_every=100)
     with background_run(cfg) as run:
         run.wait(lambda: len(run.steps()) >= 1)
         ctl(str(run.dir), "set", "trainer.lr=0.003", "pipeline.group_size=3")
@@ -265,9 +270,12 @@ def test_ctl_mid_run_set_pause_resume_stop_then_resume(
         paused_at = run.steps()
         time.sleep(2.0)  # the loop blocks: no step while paused
         assert run.steps() == paused_at and read_state(run.dir).state == "paused"  # type: ignore[union-attr]
+        ctl(str(run.dir), "checkpoint")  # answered while paused: the next step ends with one
+        asked = len(paused_at) + 1
+        assert read_applied(run.dir)[-1].step == asked
 
         ctl(str(run.dir), "resume")
-        run.wait(lambda: len(run.steps()) > len(paused_at))
+        run.wait(lambda: len(run.steps()) > asked)  # one more: checkpoint_every is back to 100
         ctl(str(run.dir), "stop")
         summary = run.join()
 
@@ -277,25 +285,27 @@ def test_ctl_mid_run_set_pause_resume_stop_then_resume(
     assert all(by_step[s]["train/lr"] == pytest.approx(3e-3) for s in by_step if s >= took)
     assert by_step[took]["control/trainer.lr"] == 3e-3
     assert by_step[took]["control/pipeline.group_size"] == 3
+    assert by_step[asked]["control/checkpoint"] == asked
+    assert by_step[asked]["control/paused_s"] >= 2.0
+    assert sorted(p.name for p in (run.dir / "checkpoints").glob("step-*")) == [f"step-{asked}"]
     # Groups issued from that step on have 3 rollouts.
     sizes = group_sizes(run.dir)
     assert {n for step, n in sizes if step < took} == {2}
     assert {n for step, n in sizes if step >= took} == {3}
-    # Stopped cleanly: fewer steps than planned, final evaluation, export, checkpoint.
-    assert summary.steps < 8 and summary.steps == max(run.steps())
-    assert (run.dir / "model" / "config.json").exists()
-    assert (run.dir / "checkpoints" / f"step-{summary.steps}" / "pipeline.json").exists()
+    # Stopped cleanly after the step in progress: final evaluation and export.
+    assert asked < summary.steps < 8 and summary.steps == max(run.steps())
+    assert (run.dir / "model" / "config.json").exists() and (run.dir / "summary.json").exists()
     assert read_state(run.dir).state == "stopping"  # type: ignore[union-attr]
 
-    # Resumed from the stop (its own config, lr 1e-3): the set is kept.
-    with background_run(cfg.model_copy(update={}), resume=True) as resumed:
+    # Resumed (from its own config, lr 1e-3) at the checkpoint: the sets are kept, and the
+    # steps after the checkpoint are trained again on the same groups, none twice.
+    with background_run(cfg, resume=True) as resumed:
         final = resumed.join()
-    assert final.steps == 8
-    after = {
-        m["step"]: m for m in resumed.metrics() if "train/lr" in m and m["step"] > summary.steps
-    }
-    assert after and all(m["train/lr"] == pytest.approx(3e-3) for m in after.values())
-    assert {n for step, n in group_sizes(run.dir) if step > summary.steps} == {3}
+    assert final.steps == 8 and len(read_ledger(run.dir)) == len(set(read_ledger(run.dir)))
+    after = [m for m in resumed.metrics() if "train/lr" in m][len(by_step) :]
+    assert [m["step"] for m in after] == list(range(asked + 1, 9))
+    assert all(m["train/lr"] == pytest.approx(3e-3) for m in after)
+    assert {n for step, n in group_sizes(run.dir) if step > asked} == {3}
 
 
 def group_sizes(run_dir: Path) -> list[tuple[int, int]]:

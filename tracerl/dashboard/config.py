@@ -47,10 +47,10 @@ class DashboardCommand(_Command):
 
 
 class CtlCommand(_Command):
-    """Control a training run while it trains: pause, resume, checkpoint (now), stop (final
-    evaluation and export as on a normal end), set key=value (trainer.lr,
-    pipeline.group_size, curation.*), or status. Applied between steps; sets are kept on
-    resume."""
+    """Control a training run while it trains: pause, resume, checkpoint (the next step ends
+    with one), stop (final evaluation and export as on a normal end; resumable from the last
+    checkpoint), set key=value (trainer.lr, pipeline.group_size, curation.*), or status.
+    Applied between steps; sets are kept on resume."""
 
     run_dir: CliPositionalArg[str]
     """The run's directory (runs/<name>)."""

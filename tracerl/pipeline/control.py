@@ -1,11 +1,17 @@
-"""Live control of a training run, the training loop's side: pause, resume, checkpoint
-now, stop, and `set` of a few settings, applied between steps.
+"""Live control of a training run, the training loop's side: pause, resume, checkpoint,
+stop, and `set` of a few settings, applied between steps.
 
 `tracerl ctl` and the dashboard append commands to the run dir's control.jsonl
 (tracerl.pipeline.control_files, the channel); `Control.poll` reads the new ones between
 steps, `between_steps` applies each (blocking while paused) and answers it in
 control_applied.jsonl with the step it took effect, and the loop's state goes to
 control_state.json. Nothing listens on a port.
+
+A checkpoint asked for is the next step's own: the pipeline records each version's
+checkpoint when the step ends (a version recorded without one never gets one later), so
+the step in progress, or the next one, ends with a checkpoint. A stop needs none of its
+own: the run ends with the final evaluation and export, and a later resume continues from
+the last checkpoint, exactly as after a crash (with checkpoint_every = 1, the stop's step).
 
 Settings changed with `set` are replayed from control_applied.jsonl when the run resumes,
 so a resumed run keeps them. A run at step 0 starts afresh: an earlier run's files in the
@@ -74,6 +80,7 @@ class Control:
         self.run_dir, self.cfg, self.pipeline = run_dir, cfg, pipeline
         self.paused_since: float | None = None
         self.stopping = False
+        self.checkpoint_asked = False
         self._values: dict[str, float | int | str | None] = {}
         self._seen: set[str] = set()
         if pipeline.step == 0:
@@ -140,7 +147,11 @@ class Control:
         return not self.stopping
 
     def metrics(self) -> dict[str, float | int | str | None]:
-        """control/... values taking effect at the step about to be logged (then reset)."""
+        """control/... values that took effect at the step just done (then reset)."""
+        if self.checkpoint_asked:  # that step wrote it: back to the run's own schedule
+            self.checkpoint_asked = False
+            self.pipeline.cfg = self.cfg.pipeline
+            self._values["control/checkpoint"] = self.pipeline.step
         out, self._values = self._values, {}
         return out
 
@@ -164,10 +175,9 @@ class Control:
             self.paused_since = None
             self.pipeline.source.pause(False)
         elif cmd.op == "checkpoint":
-            self._checkpoint()
+            self._ask_checkpoint()
         elif cmd.op == "stop":
             self.stopping = True
-            self._checkpoint()  # so the stopped run can be resumed from where it stopped
         elif cmd.op == "set":
             if cmd.key is None:
                 raise ValueError("set needs a key")
@@ -195,24 +205,19 @@ class Control:
         fresh = Curation.build(cfg.curation, cfg.pipeline.group_size, cfg.success_threshold)
         fresh.load_state(curation.state())
         curation.steps, curation.base_group_size = fresh.steps, fresh.base_group_size
-        self.pipeline.cfg = cfg.pipeline
+        self.pipeline.cfg = cfg.pipeline.model_copy(
+            update={"checkpoint_every": self.pipeline.cfg.checkpoint_every}
+        )  # a checkpoint asked for stays asked for
 
-    def _checkpoint(self) -> None:
-        """Write a checkpoint of the steps done, unless the last one already holds them."""
-        from tracerl.pipeline.checkpoints import PipelineState
-
+    def _ask_checkpoint(self) -> None:
+        """Have the next step end with a checkpoint (see the module docstring), unless the
+        steps done are checkpointed already."""
         p = self.pipeline
         latest = p.checkpoints.latest()
         if latest is not None and latest.name == f"step-{p.step}":
             return
-        state = PipelineState(
-            step=p.step,
-            rollouts_trained=p.rollouts_trained,
-            source=p.source.state(),
-            curation=p.curation.state(),
-        )
-        p.checkpoints.save(p.trainers, state)
-        self._values["control/checkpoint"] = p.step
+        self.checkpoint_asked = True
+        p.cfg = p.cfg.model_copy(update={"checkpoint_every": 1})  # for this one step
 
     def _answer(self, cmd: Command, value: JsonValue = None, error: str | None = None) -> None:
         applied = Applied(

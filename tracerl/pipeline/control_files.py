@@ -61,7 +61,8 @@ class Command(_Record):
     id: str
     """Unique id; control_applied.jsonl answers it under the same id."""
     op: Op
-    """pause (block between steps until resume), resume, checkpoint (now), stop (cleanly:
+    """pause (block between steps until resume), resume, checkpoint (the next step ends
+    with one), stop (cleanly:
     final evaluation and export as on a normal end), or set (key = value)."""
     key: str | None = None
     """For set: the setting, e.g. 'trainer.lr' (see `settable`)."""
