@@ -33,6 +33,7 @@ from tracerl.metrics import MetricsLog, Values, plot_pipeline, plot_rewards, ste
 from tracerl.pipeline.async_source import AsyncSource
 from tracerl.pipeline.checkpoints import Checkpoints
 from tracerl.pipeline.config import TrainConfig
+from tracerl.pipeline.control import Control
 from tracerl.pipeline.export import Exported, export_outputs
 from tracerl.pipeline.guards import Guards
 from tracerl.pipeline.preflight import PreflightReport, preflight
@@ -248,7 +249,9 @@ def _loop(run: _Run) -> TrainSummary:
         first: Values = {"eval/success": before, "eval/size": len(run.held_out)}
         run.log.log(0, first | guards.on_eval(0, before))
     bar = tqdm(total=cfg.pipeline.steps, initial=pipeline.step, desc="train", unit="step")
-    while pipeline.step < cfg.pipeline.steps:
+    # Live control (tracerl ctl, the dashboard): commands applied between steps.
+    control = Control(run.run_dir, cfg, pipeline)
+    while pipeline.step < cfg.pipeline.steps and control.between_steps(bar):
         report = pipeline.run_step()
         values = step_values(report) | guards.on_step(report)
         values["time/wall_s"] = time.perf_counter() - run.started
@@ -260,7 +263,7 @@ def _loop(run: _Run) -> TrainSummary:
             values |= {"eval/success": success, "eval/size": len(subset)}
             values |= guards.on_eval(report.step, success)
         values |= guards.respond()
-        run.log.log(report.step, values)
+        run.log.log(report.step, values | control.metrics())
         bar.update(1)
         bar.set_postfix(
             reward=f"{report.reward:.2f}",
