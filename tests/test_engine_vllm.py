@@ -29,6 +29,7 @@ from transformers import AutoModelForCausalLM, PreTrainedModel
 from tracerl.engines.config import EngineConfig
 from tracerl.engines.scoring import score_completion
 from tracerl.engines.vllm import VLLMEngine
+from tracerl.examples import example_module
 from tracerl.types import Generation, SamplingParams, Task
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -93,8 +94,8 @@ def reference(calculator_h64_dir: Path) -> PreTrainedModel:
 
 
 def _prompt(engine: VLLMEngine, question: str) -> list[int]:
-    from agent import SYSTEM_PROMPT, TOOLS
-
+    agent = example_module("calculator", "agent")
+    SYSTEM_PROMPT, TOOLS = agent.SYSTEM_PROMPT, agent.TOOLS
     messages = [{"role": "system", "content": SYSTEM_PROMPT}, {"role": "user", "content": question}]
     ids = engine.tokenizer.apply_chat_template(
         messages, tools=TOOLS, add_generation_prompt=True, tokenize=True, return_dict=False
@@ -206,9 +207,9 @@ def test_calculator_rollouts_are_token_faithful(
 ) -> None:
     """Multi-turn calculator rollouts through the gateway, served by vLLM: re-scored with the
     trainer's fp32 weights they give the recorded log-probs, and no prefix breaks."""
-    from agent import run
-    from reward import reward
-    from tasks import make_tasks
+    run = example_module("calculator", "agent").run
+    reward = example_module("calculator", "reward").reward
+    make_tasks = example_module("calculator", "tasks").make_tasks
 
     from tracerl.evaluate import run_rollouts
     from tracerl.runner import RunnerConfig, python_agent

@@ -60,6 +60,10 @@ def make_engine(model_dir: str | Path, cfg: EngineConfig, version: int = 0) -> E
         from tracerl.engines.vllm import VLLMEngine
 
         return VLLMEngine(model_dir, cfg, policy_version=version)
+    if cfg.kind == "hf_server":
+        from tracerl.engines.hf_server import HFServerEngine
+
+        return HFServerEngine(model_dir, cfg, policy_version=version)
     from tracerl.engines.hf import HFEngine
 
     return HFEngine(

@@ -132,8 +132,11 @@ class HFEngine:
         """A snapshot of what the engine has done so far."""
         return self._counters.model_copy()
 
-    async def generate(self, prompt_ids: list[int], params: SamplingParams) -> Generation:
-        """Sample one completion; concurrent calls share forward passes."""
+    async def generate(
+        self, prompt_ids: list[int], params: SamplingParams, *, routing_key: str | None = None
+    ) -> Generation:
+        """Sample one completion; concurrent calls share forward passes (one replica: the
+        routing key is ignored)."""
         self._check(prompt_ids, params)
         loop = asyncio.get_running_loop()
         future: asyncio.Future[Generation] = loop.create_future()

@@ -24,6 +24,7 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
+from tracerl.engines.base import EngineUnavailable, generate_routed
 from tracerl.gateway.chat import (
     ChatRequest,
     CompletionRequest,
@@ -39,7 +40,7 @@ from tracerl.gateway.remote import RemoteError, RemoteModel
 from tracerl.gateway.served import Choice, Served, ServedModel, decode
 from tracerl.gateway.tito import History, Prompt, Turn
 from tracerl.store import Store
-from tracerl.types import Generation, Reward, SamplingParams
+from tracerl.types import Generation, Reward, Rollout, SamplingParams
 
 __all__ = ["Choice", "Gateway", "GatewayError", "Served", "ServedModel", "decode", "invalid"]
 
@@ -125,7 +126,7 @@ class Gateway:
         messages, tools, prompt = await self._tokenize(_chat_prompt, served, req, prev)
         params = self._params(served, len(prompt.ids), req.token_limit(), req)
         started = time.perf_counter()
-        gens = await self._sample(served, prompt.ids, params, req.n)
+        gens = await self._sample(served, prompt.ids, params, req.n, _route(rollout, req.model))
         latency = time.perf_counter() - started
         choices = [self._choice(served, i, g, tools is not None) for i, g in enumerate(gens)]
         span_id = uuid.uuid4().hex
@@ -175,7 +176,7 @@ class Gateway:
         prompt = Prompt(ids=ids)
         params = self._params(served, len(ids), req.max_tokens, req)
         started = time.perf_counter()
-        gens = await self._sample(served, ids, params, req.n)
+        gens = await self._sample(served, ids, params, req.n, _route(rollout, req.model))
         latency = time.perf_counter() - started
         choices = [self._choice(served, i, g, False) for i, g in enumerate(gens)]
         span_id = uuid.uuid4().hex
@@ -244,15 +245,20 @@ class Gateway:
         )
 
     async def _sample(
-        self, served: ServedModel, ids: list[int], params: SamplingParams, n: int
+        self, served: ServedModel, ids: list[int], params: SamplingParams, n: int, route: str | None
     ) -> list[Generation]:
-        if n == 1:
-            return [await served.engine.generate(ids, params)]
+        """n completions; `route` keeps a rollout's calls on one engine replica."""
         seeded = [
             params if params.seed is None else params.model_copy(update={"seed": params.seed + i})
             for i in range(n)
         ]
-        return list(await asyncio.gather(*(served.engine.generate(ids, p) for p in seeded)))
+        try:
+            if n == 1:
+                return [await generate_routed(served.engine, ids, params, route)]
+            calls = (generate_routed(served.engine, ids, p, route) for p in seeded)
+            return list(await asyncio.gather(*calls))
+        except EngineUnavailable as e:  # a replica died: the agent may retry shortly
+            raise GatewayError(503, str(e), "server_error", code="engine_unavailable") from None
 
     def _choice(self, served: ServedModel, index: int, gen: Generation, tools: bool) -> Choice:
         text = served.text(gen)
@@ -312,6 +318,11 @@ def _completion_ids(served: ServedModel, prompt: str | list[int]) -> list[int]:
     if not ids:
         raise GatewayError(400, "prompt is empty", param="prompt")
     return ids
+
+
+def _route(rollout: Rollout | None, role: str) -> str | None:
+    """The routing key of a call: its rollout and role (None outside a rollout)."""
+    return f"{rollout.id}/{role}" if rollout is not None else None
 
 
 def _end(gen: Generation) -> str:
