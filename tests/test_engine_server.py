@@ -26,6 +26,7 @@ from transformers import AutoModelForCausalLM, PreTrainedModel
 from tracerl.engines.base import EngineUnavailable
 from tracerl.engines.config import EngineConfig
 from tracerl.engines.hf_server import HFServerEngine
+from tracerl.engines.launch import group_has_others
 from tracerl.engines.replicas import ReplicaSet
 from tracerl.engines.scoring import score_completion
 from tracerl.examples import example_module
@@ -104,6 +105,7 @@ def two_replicas(calculator_skilled_dir: Path, tmp_path: Path) -> Iterator[HFSer
     finally:
         engine.close()
     assert all(s.process.poll() is not None for s in engine.servers), "a server outlived close"
+    assert not any(group_has_others(s.process.pid) for s in engine.servers)
 
 
 def _prompt(engine: HFServerEngine, question: str) -> list[int]:
@@ -182,7 +184,7 @@ def test_rollouts_through_hf_server_are_token_faithful(
     calls = sum(len(spans) for spans in spans_by_rollout)
     print(f"{calls} calls, per replica {admitted}; max |logprob gap| {worst:.2e}")
     assert breaks == 0
-    assert worst <= 1e-5
+    assert worst <= 1e-4  # fp32, batched vs one sequence: as tests/test_faithfulness.py
     assert min(admitted) >= calls // 4, "new rollouts should spread over both replicas"
 
 
@@ -206,7 +208,7 @@ def test_weight_sync_through_hf_server_is_exact_and_versioned(
 
     for g in asyncio.run(both()):
         assert (g.policy_version, engine.policy_version) == (1, 1)
-        assert _gap(perturbed, prompt, g, 1.0) <= 1e-5
+        assert _gap(perturbed, prompt, g, 1.0) <= 1e-4
         assert _gap(reference, prompt, g, 1.0) > 1e-2, "the served weights did not change"
 
 
@@ -265,8 +267,8 @@ def test_a_replica_killed_under_load_costs_no_call_and_comes_back_current(
     assert [r.version for r in engine.replicas.replicas] == [1, 1]
     back, other = engine.generate_sync(0, prompt, 8), engine.generate_sync(1, prompt, 8)
     assert back.completion_ids == other.completion_ids
-    assert back.logprobs == pytest.approx(other.logprobs, abs=1e-5)
-    assert _gap(new, prompt, back, 1.0) <= 1e-5, "the restarted replica kept old weights"
+    assert back.logprobs == pytest.approx(other.logprobs, abs=1e-4)
+    assert _gap(new, prompt, back, 1.0) <= 1e-4, "the restarted replica kept old weights"
 
 
 @pytest.mark.slow
@@ -277,7 +279,8 @@ def test_a_single_dead_replica_is_unavailable_until_restarted(
     try:
         prompt = _prompt(engine, "What is 3*3?")
         os.kill(engine.servers[0].process.pid, signal.SIGKILL)
-        engine.servers[0].process.wait()
+        while engine.servers[0].exited() is None:
+            time.sleep(0.01)
         with pytest.raises(EngineUnavailable):
             asyncio.run(engine.generate(prompt, SamplingParams(max_tokens=4)))
         deadline = time.monotonic() + 120

@@ -27,6 +27,7 @@ import torch
 from transformers import AutoModelForCausalLM, PreTrainedModel
 
 from tracerl.engines.config import EngineConfig
+from tracerl.engines.launch import group_has_others
 from tracerl.engines.scoring import score_completion
 from tracerl.engines.vllm import VLLMEngine
 from tracerl.examples import example_module
@@ -47,6 +48,11 @@ pytestmark = [
 
 @pytest.fixture(scope="module")
 def calculator_h64_dir() -> Path:
+    """See calculator_h64."""
+    return calculator_h64()
+
+
+def calculator_h64() -> Path:
     """A calculator model that calls its tool (SFT on clean demonstrations), with head size
     64; built once into $TRACERL_HOME (~2 min)."""
     os.environ.setdefault("TRACERL_HOME", str(ROOT / ".tracerl"))
@@ -84,6 +90,8 @@ def engine(calculator_h64_dir: Path, engine_cfg: EngineConfig) -> Iterator[VLLME
     finally:
         engine.close()
     assert all(s.process.poll() is not None for s in engine.servers), "a server outlived close"
+    # vLLM's engine core is a child of its API server: it must not outlive it either.
+    assert not any(group_has_others(s.process.pid) for s in engine.servers)
 
 
 @pytest.fixture(scope="module")
@@ -280,10 +288,15 @@ def test_weight_sync_is_exact_and_versioned(engine: VLLMEngine, reference: PreTr
 
 
 def test_a_server_that_dies_while_starting_reports_its_log(tmp_path: Path) -> None:
-    from tracerl.engines.vllm import VLLMServer
+    from tracerl.engines.launch import ServerProcess
+    from tracerl.engines.vllm import server_args, server_env
+    from tracerl.server import free_port
 
     cfg = EngineConfig(kind="vllm", python=str(VLLM_PYTHON), log_dir=str(tmp_path))
-    server = VLLMServer(str(VLLM_PYTHON), tmp_path / "no-such-model", cfg, max_context=512)
+    port = free_port()
+    args = server_args(tmp_path / "no-such-model", port, cfg, max_context=512)
+    command = [str(VLLM_PYTHON), "-m", "vllm.entrypoints.openai.api_server", *args]
+    server = ServerProcess("vllm", command, port, server_env(), str(tmp_path))
     with pytest.raises(RuntimeError, match=r"exited with code .* log .* ends with"):
         server.wait_ready(timeout_s=120)
     assert server.process.poll() is not None

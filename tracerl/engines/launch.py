@@ -30,7 +30,14 @@ from tracerl.engines.config import EngineConfig
 from tracerl.engines.remote import RemoteEngine
 from tracerl.engines.replicas import Replica
 
-__all__ = ["LaunchedEngine", "ServerProcess", "eos_token_ids", "live_servers", "source_env"]
+__all__ = [
+    "LaunchedEngine",
+    "ServerProcess",
+    "eos_token_ids",
+    "group_has_others",
+    "live_servers",
+    "source_env",
+]
 
 SOURCE_ROOT = Path(__file__).resolve().parents[2]
 """The directory holding the tracerl package, put on the servers' PYTHONPATH so that they
@@ -81,13 +88,31 @@ class ServerProcess:
         """Wait until /health answers 200; on exit or timeout, stop it and raise."""
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
-            if self.process.poll() is not None:
-                self._fail(f"exited with code {self.process.returncode} while starting")
+            code = self.exited()
+            if code is not None:
+                self._fail(f"exited with code {code} while starting")
             with contextlib.suppress(httpx.HTTPError):
                 if httpx.get(f"{self.url}/health", timeout=2.0).status_code == 200:
                     return
             time.sleep(0.5)
         self._fail(f"did not answer /health within {timeout_s:.0f} s")
+
+    def exited(self) -> int | None:
+        """The exit code of the server's main process once it ended, else None.
+
+        The process is left unreaped (a zombie) until `stop`: while it is, its process
+        group id cannot be reused, so `stop` can still kill what it left running (vLLM's
+        engine core) without risking someone else's group.
+        """
+        if self.process.returncode is not None:
+            return self.process.returncode
+        try:
+            info = os.waitid(os.P_PID, self.process.pid, os.WEXITED | os.WNOHANG | os.WNOWAIT)
+        except ChildProcessError:  # reaped meanwhile by stop()
+            return self.process.poll()
+        if info is None:
+            return None
+        return info.si_status if info.si_code == os.CLD_EXITED else -info.si_status
 
     def log_tail(self, lines: int = 30) -> str:
         """The last lines of the server's log."""
@@ -98,16 +123,18 @@ class ServerProcess:
         return "\n".join(text.splitlines()[-lines:])
 
     def stop(self) -> None:
-        """Kill the server's whole process group (SIGTERM, then SIGKILL after 10 s)."""
+        """Stop the server's whole process group: SIGTERM, up to 10 s for the main process
+        and what it started to exit, then SIGKILL for whatever is left; then reap it."""
         _LIVE.discard(self)
-        if self.process.poll() is not None:
-            return  # reaped: its group id may belong to someone else by now
-        _kill_group(self.process.pid, signal.SIGTERM)
-        try:
-            self.process.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            _kill_group(self.process.pid, signal.SIGKILL)
-            self.process.wait(timeout=10)
+        if self.process.returncode is not None:
+            return  # reaped: stopped before
+        pid = self.process.pid
+        _kill_group(pid, signal.SIGTERM)
+        deadline = time.monotonic() + 10
+        while (self.exited() is None or group_has_others(pid)) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        _kill_group(pid, signal.SIGKILL)  # the unreaped main process still holds the group id
+        self.process.wait(timeout=10)
 
     def _fail(self, what: str) -> None:
         self.stop()
@@ -198,7 +225,7 @@ class LaunchedEngine(RemoteEngine):
             with self._lock:
                 servers = list(enumerate(self.servers))
             for i, server in servers:
-                code = server.process.poll()
+                code = server.exited()
                 if code is not None:
                     self.replica_failed(self.replicas.replicas[i], f"exited with code {code}")
 
@@ -248,6 +275,27 @@ def _free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return int(sock.getsockname()[1])
+
+
+def group_has_others(pgid: int) -> bool:
+    """Whether a live process other than its leader is in process group `pgid` (Linux
+    /proc; elsewhere assume so, and let SIGKILL end them)."""
+    try:
+        entries = [e.name for e in os.scandir("/proc") if e.name.isdigit()]
+    except OSError:
+        return True
+    for name in entries:
+        if int(name) == pgid:
+            continue
+        try:
+            stat = Path(f"/proc/{name}/stat").read_text()
+        except OSError:
+            continue  # ended meanwhile
+        # After the command name (which may hold spaces): state, ppid, pgrp, ...
+        state, _, pgrp = stat.rsplit(")", 1)[1].split()[:3]
+        if int(pgrp) == pgid and state != "Z":  # a zombie holds nothing but its pid
+            return True
+    return False
 
 
 def _kill_group(pid: int, sig: signal.Signals) -> None:
