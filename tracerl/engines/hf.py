@@ -114,8 +114,11 @@ class HFEngine:
         """A snapshot of what the engine has done so far."""
         return self._counters.model_copy()
 
-    async def generate(self, prompt_ids: list[int], params: SamplingParams) -> Generation:
-        """Sample one completion; concurrent calls share forward passes."""
+    async def generate(
+        self, prompt_ids: list[int], params: SamplingParams, *, routing_key: str | None = None
+    ) -> Generation:
+        """Sample one completion; concurrent calls share forward passes (one replica: the
+        routing key is ignored)."""
         return await self._submit(prompt_ids, params, streaming=False).future
 
     async def stream(

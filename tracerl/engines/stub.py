@@ -49,7 +49,9 @@ class StubEngine:
             raise AttributeError("this StubEngine was built without a tokenizer")
         return self._tokenizer
 
-    async def generate(self, prompt_ids: list[int], params: SamplingParams) -> Generation:
+    async def generate(
+        self, prompt_ids: list[int], params: SamplingParams, *, routing_key: str | None = None
+    ) -> Generation:
         """Return the fixed completion, cut to max_tokens ("length") if it is shorter."""
         self.calls += 1
         if len(prompt_ids) >= self.max_context:

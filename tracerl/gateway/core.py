@@ -24,7 +24,7 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
-from tracerl.engines.base import Engine, stream
+from tracerl.engines.base import EngineUnavailable, collect_stream, generate_routed
 from tracerl.gateway.chat import (
     ChatRequest,
     CompletionRequest,
@@ -40,7 +40,7 @@ from tracerl.gateway.remote import RemoteError, RemoteModel
 from tracerl.gateway.served import Choice, HistoryKey, Pending, Served, ServedModel, decode
 from tracerl.gateway.tito import History, Prompt, Turn
 from tracerl.store import Store
-from tracerl.types import Generation, Reward, SamplingParams
+from tracerl.types import Generation, Reward, Rollout, SamplingParams
 
 __all__ = [
     "Choice",
@@ -169,10 +169,11 @@ class Gateway:
         """Sample a checked call, record its spans, and return its choices. With `on_tokens`
         (one choice only), each batch of sampled ids is handed to it as it arrives."""
         started = time.perf_counter()
+        route = _route(p.rollout, p.served.name)
         if on_tokens is not None and p.n == 1:
-            gens = [await _streamed(p.served.engine, p.prompt.ids, p.params, on_tokens)]
+            gens = [await collect_stream(p.served.engine, p.prompt.ids, p.params, on_tokens, route)]
         else:
-            gens = await self._sample(p.served, p.prompt.ids, p.params, p.n)
+            gens = await self._sample(p.served, p.prompt.ids, p.params, p.n, route)
         latency = time.perf_counter() - started
         tools = p.tools is not None
         choices = [self._choice(p.served, i, g, tools) for i, g in enumerate(gens)]
@@ -289,15 +290,20 @@ class Gateway:
         )
 
     async def _sample(
-        self, served: ServedModel, ids: list[int], params: SamplingParams, n: int
+        self, served: ServedModel, ids: list[int], params: SamplingParams, n: int, route: str | None
     ) -> list[Generation]:
-        if n == 1:
-            return [await served.engine.generate(ids, params)]
+        """n completions; `route` keeps a rollout's calls on one engine replica."""
         seeded = [
             params if params.seed is None else params.model_copy(update={"seed": params.seed + i})
             for i in range(n)
         ]
-        return list(await asyncio.gather(*(served.engine.generate(ids, p) for p in seeded)))
+        try:
+            if n == 1:
+                return [await generate_routed(served.engine, ids, params, route)]
+            calls = (generate_routed(served.engine, ids, p, route) for p in seeded)
+            return list(await asyncio.gather(*calls))
+        except EngineUnavailable as e:  # a replica died: the agent may retry shortly
+            raise GatewayError(503, str(e), "server_error", code="engine_unavailable") from None
 
     def _choice(self, served: ServedModel, index: int, gen: Generation, tools: bool) -> Choice:
         text = served.text(gen)
@@ -359,15 +365,9 @@ def _completion_ids(served: ServedModel, prompt: str | list[int]) -> list[int]:
     return ids
 
 
-async def _streamed(
-    engine: Engine, ids: list[int], params: SamplingParams, on_tokens: Callable[[list[int]], None]
-) -> Generation:
-    """One completion sampled as a stream, each batch of new ids handed to `on_tokens`."""
-    async for item in stream(engine, ids, params):
-        if isinstance(item, Generation):
-            return item
-        on_tokens(item)
-    raise RuntimeError("the engine's stream ended without a Generation")
+def _route(rollout: Rollout | None, role: str) -> str | None:
+    """The routing key of a call: its rollout and role (None outside a rollout)."""
+    return f"{rollout.id}/{role}" if rollout is not None else None
 
 
 def _end(gen: Generation) -> str:
