@@ -34,6 +34,7 @@ __all__ = [
     "SftCommand",
     "TracesCommand",
     "TracesList",
+    "TracesPrune",
     "TracesShow",
     "TrainCommand",
     "config_errors",
@@ -201,10 +202,27 @@ class TracesList(Command):
     """How many."""
 
 
+class TracesPrune(Command):
+    """Shrink a store: delete old finished rollouts with their spans and rewards, then
+    VACUUM. Rollouts queued or running, and those a --keep_run run still needs, stay."""
+
+    store: str | None = None
+    """Store file or postgresql:// URL (default: the last run's)."""
+    keep: int | None = Field(default=None, ge=0)
+    """Keep the N most recently finished rollouts."""
+    keep_days: float | None = Field(default=None, ge=0)
+    """Keep rollouts finished within the last D days."""
+    keep_run: list[str] = []
+    """Run directory (runs/<name>) whose pending groups and replay buffer are kept, as its
+    latest checkpoint names them; repeatable. Alone, every other finished rollout goes."""
+
+
 class TracesCommand(Command):
-    """Read recorded traces."""
+    """Read recorded traces, or prune them."""
 
     show: CliSubCommand[TracesShow]
     """Print one rollout."""
     list: CliSubCommand[TracesList]
     """List recent rollouts."""
+    prune: CliSubCommand[TracesPrune]
+    """Delete old finished rollouts a run no longer needs."""
