@@ -25,6 +25,7 @@ import importlib.machinery
 import importlib.util
 import inspect
 import json
+import logging
 import os
 import shlex
 import sys
@@ -40,8 +41,10 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from tracerl.store import LeaseLost, Store, StoreError
+from tracerl.store import LeaseLost, Store, StoreError, StoreUnavailable
 from tracerl.types import Rollout, RolloutStatus, Task
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -255,7 +258,7 @@ class Runner:
             free = self.cfg.concurrency - len(active)
             claimed = []
             if free > 0 and not self.paused:
-                claimed = await asyncio.to_thread(self.store.claim, self.id, free, self.cfg.lease_s)
+                claimed = await self._claim(free)
             for rollout in claimed:
                 task = asyncio.create_task(self.run_one(rollout))
                 active.add(task)
@@ -273,8 +276,20 @@ class Runner:
         if active:
             await asyncio.gather(*active, return_exceptions=True)
 
+    async def _claim(self, n: int) -> list[Rollout]:
+        """Up to n rollouts; none while the store is unreachable (a remote store restarting):
+        the pool keeps polling, with its usual back-off, instead of exiting."""
+        try:
+            return await asyncio.to_thread(self.store.claim, self.id, n, self.cfg.lease_s)
+        except StoreUnavailable as e:
+            log.warning("claim failed, will retry: %s", e.message)
+            return []
+
     def _idle(self) -> bool:
-        counts = self.store.counts()
+        try:
+            counts = self.store.counts()
+        except StoreUnavailable:
+            return False  # cannot tell while the store is away: keep polling
         return not counts.get("queued", 0) and not counts.get("running", 0)
 
     async def run_one(self, rollout: Rollout) -> None:

@@ -67,7 +67,7 @@ class Gateway:
         self,
         store: Store | None,
         models: dict[str, ServedModel],
-        memory: int = 100_000,
+        memory: int = 2_048,
         remote: dict[str, RemoteModel] | None = None,
         aliases: dict[str, str] | None = None,
         default_model: str | None = None,

@@ -21,7 +21,7 @@ import httpx
 import orjson
 from pydantic import BaseModel
 
-from tracerl.store import StoreError
+from tracerl.store import StoreError, StoreUnavailable
 from tracerl.store.wire import (
     CLAIMED,
     COUNTS,
@@ -81,7 +81,10 @@ class StoreClient:
         params: Mapping[str, str | int] | None = None,
     ) -> bytes:
         headers = {"content-type": "application/json"} if content is not None else None
-        resp = self._http.request(method, path, content=content, params=params, headers=headers)
+        try:
+            resp = self._http.request(method, path, content=content, params=params, headers=headers)
+        except httpx.TransportError as e:  # refused, reset, timed out: a restarting store
+            raise StoreUnavailable(f"store at {self._http.base_url} unreachable: {e}") from e
         if resp.status_code >= 400:
             _raise_for(resp)
         return resp.content
