@@ -25,6 +25,7 @@ from tracerl.entrypoints.config import (
     TrainCommand,
     config_errors,
 )
+from tracerl.entrypoints.export import ExportCommand
 from tracerl.entrypoints.store import StoreCommand
 
 console = Console()
@@ -51,6 +52,7 @@ class Tracerl(
     serve: CliSubCommand[ServeCommand]
     runner: CliSubCommand[RunnerCommand]
     store: CliSubCommand[StoreCommand]
+    export: CliSubCommand[ExportCommand]
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -40,8 +40,10 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from tracerl import noise as tool_noise
+from tracerl.noise import NoiseConfig, NoiseSpec
 from tracerl.store import LeaseLost, Store, StoreError
-from tracerl.types import Rollout, RolloutStatus, Task
+from tracerl.types import Reward, Rollout, RolloutStatus, Task
 
 
 @dataclass(frozen=True)
@@ -206,6 +208,8 @@ class RunnerConfig(BaseModel):
     this process: its gateway has no keys)."""
     poll_s: float = Field(default=0.05, gt=0)
     """Sleep between claims when nothing is queued."""
+    noise: NoiseConfig = NoiseConfig()
+    """Perturbed tool results for agents that use the hook (tracerl.noise); off by default."""
 
 
 class Runner:
@@ -292,8 +296,10 @@ class Runner:
         # this attempt's model calls and reward only, and dies with the attempt.
         minted = getattr(self.store, "agent_key", None)
         api_key = (minted and minted(rollout.id, rollout.attempt)) or self.cfg.api_key
+        spec = await self._noise_spec(rollout)
+        seen = tool_noise.with_spec(task, spec) if spec else task  # the reward judges the task
         run: asyncio.Future[AgentResult] = asyncio.ensure_future(
-            self.agent(task, base_url, api_key, self.model)
+            self.agent(seen, base_url, api_key, self.model)
         )
         beat = asyncio.create_task(self._heartbeat(rollout, run))
         answer, reward, error = None, None, None
@@ -312,7 +318,26 @@ class Runner:
             status, error = RolloutStatus.failed, _error_text(e)
         finally:
             beat.cancel()
+        if spec is not None and not await self._record_noise(rollout, spec):
+            return
         await self._finish(rollout, status, answer, reward, error)
+
+    async def _noise_spec(self, rollout: Rollout) -> NoiseSpec | None:
+        if not self.cfg.noise.enabled:
+            return None
+        step = await asyncio.to_thread(tool_noise.noise_step, self.store, self.model)
+        return tool_noise.spec_for(self.cfg.noise, rollout.id, rollout.attempt, step)
+
+    async def _record_noise(self, rollout: Rollout, spec: NoiseSpec) -> bool:
+        """Store the attempt's perturbation count; False when the lease is gone."""
+        count = len(tool_noise.take_applied(spec.id))
+        record = Reward(rollout_id=rollout.id, attempt=rollout.attempt, value=count,
+                        name=tool_noise.NOISE_REWARD)  # fmt: skip
+        try:
+            await asyncio.to_thread(self.store.add_reward, record)
+        except LeaseLost:
+            return False
+        return True
 
     async def _finish(
         self,
@@ -338,7 +363,7 @@ class Runner:
         emitted = [
             r
             for r in self.store.rewards(rollout.id, rollout.attempt)
-            if r.span_seq is None and r.role is None
+            if r.span_seq is None and r.role is None and r.name != tool_noise.NOISE_REWARD
         ]
         if emitted:
             return emitted[-1].value
