@@ -158,7 +158,7 @@ class SftCommand(Command):
     """Demonstrations JSONL, each line OpenAI chat ({"messages": [...], "tools": [...]}; other
     keys such as "id" are ignored) or an ADP trajectory (`tracerl export`; with its token ids
     these are trained on as they are, and need --base)."""
-    from_traces: str | None = None
+    from_traces: str | None = Field(default=None, alias="from-traces")
     """Train on recorded traces instead: a store file or run dir. Each rollout's calls are
     merged per role into rows as RL does; the loss falls on the sampled ids only, never
     re-tokenized. Needs --base (the tokenizer that made the ids). On a run's own store with

@@ -107,11 +107,26 @@ class AdpTrajectory(BaseModel):
     """Task, rollout, role, reward, status, system prompt, tools and `tracerl_tokens`."""
 
 
+def _wire(message: Message) -> Message:
+    """The message as OpenAI writes it: tool-call arguments as JSON text (the gateway
+    records requests in canonical form, arguments parsed)."""
+    calls = message.get("tool_calls")
+    if not isinstance(calls, list):
+        return message
+    out: list[JsonValue] = []
+    for call in calls:
+        assert isinstance(call, dict) and isinstance(call["function"], dict)
+        args = call["function"].get("arguments")
+        text = args if isinstance(args, str) else json.dumps(args)
+        out.append({**call, "function": {**call["function"], "arguments": text}})
+    return {**message, "tool_calls": out}
+
+
 def conversation(row: TraceRow) -> list[Message]:
     """The row's whole conversation: its last call's request plus the reply it got."""
     last = row.spans[-1]
     reply = last.response.get("message")
-    return [*last.messages, *([reply] if isinstance(reply, dict) else [])]
+    return [_wire(m) for m in [*last.messages, *([reply] if isinstance(reply, dict) else [])]]
 
 
 def _assistant(m: Message) -> list[MessageAction | ApiAction]:
