@@ -40,12 +40,13 @@ import httpx  # noqa: E402
 import torch  # noqa: E402
 from transformers import AutoModelForCausalLM, PreTrainedModel  # noqa: E402
 
+from tracerl.agents import python_agent  # noqa: E402
 from tracerl.demo import cache_dir, calculator_demos  # noqa: E402
 from tracerl.engines.config import EngineConfig  # noqa: E402
 from tracerl.engines.scoring import score_completion  # noqa: E402
 from tracerl.evaluate import run_rollouts  # noqa: E402
 from tracerl.examples import example_module  # noqa: E402
-from tracerl.runner import RunnerConfig, python_agent  # noqa: E402
+from tracerl.runner import RunnerConfig  # noqa: E402
 from tracerl.stack import LocalStack, start_stack  # noqa: E402
 from tracerl.types import SamplingParams, Span, Task  # noqa: E402
 

@@ -33,13 +33,14 @@ ensure_passive_omp()
 import torch  # noqa: E402
 from transformers import AutoModelForCausalLM  # noqa: E402
 
+from tracerl.agents import python_agent  # noqa: E402
 from tracerl.demo import ensure_calculator_model, example_module  # noqa: E402
 from tracerl.engines.config import EngineConfig  # noqa: E402
 from tracerl.engines.scoring import score_completion  # noqa: E402
 from tracerl.evaluate import run_rollouts  # noqa: E402
 from tracerl.pipeline.config import PipelineConfig, TrainConfig  # noqa: E402
 from tracerl.pipeline.run import train  # noqa: E402
-from tracerl.runner import RunnerConfig, python_agent  # noqa: E402
+from tracerl.runner import RunnerConfig  # noqa: E402
 from tracerl.stack import start_stack  # noqa: E402
 from tracerl.store.sqlite import SqliteStore  # noqa: E402
 from tracerl.trainer.trainer import TrainerConfig  # noqa: E402

@@ -33,13 +33,14 @@ from tracerl import ensure_passive_omp
 
 ensure_passive_omp()
 
+from tracerl.agents import python_agent  # noqa: E402
 from tracerl.algorithms.config import AlgorithmConfig  # noqa: E402
 from tracerl.demo import cache_dir, example_module  # noqa: E402
 from tracerl.engines.config import EngineConfig  # noqa: E402
 from tracerl.pipeline.config import PipelineConfig, TrainConfig  # noqa: E402
 from tracerl.pipeline.run import train  # noqa: E402
 from tracerl.roles import RoleConfig  # noqa: E402
-from tracerl.runner import RunnerConfig, python_agent  # noqa: E402
+from tracerl.runner import RunnerConfig  # noqa: E402
 from tracerl.trainer.trainer import TrainerConfig  # noqa: E402
 from tracerl.types import Task  # noqa: E402
 

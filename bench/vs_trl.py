@@ -57,6 +57,7 @@ sys.path.insert(0, str(ROOT / "examples" / "calculator"))
 from agent import SYSTEM_PROMPT, TOOLS  # noqa: E402
 from tasks import make_tasks  # noqa: E402
 
+from tracerl.agents import python_agent  # noqa: E402
 from tracerl.algorithms.config import AlgorithmConfig  # noqa: E402
 from tracerl.algorithms.curation import Curation  # noqa: E402
 from tracerl.demo import ensure_calculator_model  # noqa: E402
@@ -66,7 +67,7 @@ from tracerl.pipeline.checkpoints import Checkpoints  # noqa: E402
 from tracerl.pipeline.config import PipelineConfig  # noqa: E402
 from tracerl.pipeline.sources import Agents, SyncSource, TaskOrder  # noqa: E402
 from tracerl.pipeline.step import Pipeline, Policy  # noqa: E402
-from tracerl.runner import RunnerConfig, python_agent  # noqa: E402
+from tracerl.runner import RunnerConfig  # noqa: E402
 from tracerl.stack import start_stack  # noqa: E402
 from tracerl.trainer.config import TrainerConfig  # noqa: E402
 from tracerl.trainer.trainer import Trainer  # noqa: E402

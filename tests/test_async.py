@@ -16,12 +16,13 @@ import pytest
 from openai import OpenAI
 from transformers import AutoTokenizer
 
+from tracerl.agents import python_agent
 from tracerl.algorithms.config import CurationConfig
 from tracerl.algorithms.curation import Curation
 from tracerl.gateway import Gateway, ServedModel, create_app
 from tracerl.pipeline.async_source import AsyncSource
 from tracerl.pipeline.sources import Agents, SourceState, SyncSource, TaskOrder
-from tracerl.runner import Runner, RunnerConfig, python_agent
+from tracerl.runner import Runner, RunnerConfig
 from tracerl.server import BackgroundServer, serve_in_thread
 from tracerl.store.sqlite import SqliteStore
 from tracerl.types import Task

@@ -15,10 +15,11 @@ from types import ModuleType
 import httpx
 import pytest
 
+from tracerl.agents import AgentResult
 from tracerl.auth import Keys, Role
 from tracerl.entrypoints import serve
 from tracerl.entrypoints.config import ServeCommand
-from tracerl.runner import AgentResult, Runner, RunnerConfig
+from tracerl.runner import Runner, RunnerConfig
 from tracerl.store import StoreError
 from tracerl.store.http import StoreClient
 from tracerl.types import RolloutStatus, Task

@@ -16,10 +16,11 @@ import pytest
 from pydantic import BaseModel, ValidationError
 
 import tracerl.cli
+from tracerl.agents import AgentResult, load_callable
 from tracerl.demo import DemoConfig, demo_run_config
 from tracerl.evaluate import run_rollouts
 from tracerl.pipeline.config import TrainConfig
-from tracerl.runner import AgentResult, RunnerConfig, load_callable
+from tracerl.runner import RunnerConfig
 from tracerl.store.sqlite import SqliteStore
 from tracerl.types import Task
 

@@ -15,11 +15,12 @@ from pathlib import Path
 import pytest
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
+from tracerl.agents import python_agent
 from tracerl.demo import example_module
 from tracerl.gateway import Gateway, ServedModel, create_app
 from tracerl.models.sft import Demo, SftConfig, encode_demo, sft
 from tracerl.models.template import format_tool_call
-from tracerl.runner import Runner, RunnerConfig, python_agent
+from tracerl.runner import Runner, RunnerConfig
 from tracerl.server import BackgroundServer, serve_in_thread
 from tracerl.store.sqlite import SqliteStore
 from tracerl.tools import format_result, run_python

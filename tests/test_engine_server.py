@@ -151,8 +151,9 @@ def test_rollouts_through_hf_server_are_token_faithful(
     reward = example_module("calculator", "reward").reward
     make_tasks = example_module("calculator", "tasks").make_tasks
 
+    from tracerl.agents import python_agent
     from tracerl.evaluate import run_rollouts
-    from tracerl.runner import RunnerConfig, python_agent
+    from tracerl.runner import RunnerConfig
     from tracerl.stack import start_stack
 
     tasks = [Task.model_validate(t) for t in make_tasks(48, "eval", 1)]

@@ -16,9 +16,10 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
+from tracerl.agents import python_agent
 from tracerl.engines.scoring import score_completion
 from tracerl.evaluate import run_rollouts
-from tracerl.runner import RunnerConfig, python_agent
+from tracerl.runner import RunnerConfig
 from tracerl.stack import start_stack
 from tracerl.types import Task
 

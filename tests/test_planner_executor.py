@@ -27,10 +27,11 @@ import pytest
 from rich.console import Console
 from transformers import AutoTokenizer
 
+from tracerl.agents import python_agent
 from tracerl.demo import example_dir
 from tracerl.evaluate import role_stats
 from tracerl.gateway import Gateway, ServedModel, create_app
-from tracerl.runner import Runner, RunnerConfig, python_agent
+from tracerl.runner import Runner, RunnerConfig
 from tracerl.server import BackgroundServer, serve_in_thread
 from tracerl.store.sqlite import SqliteStore
 from tracerl.types import Generation, RolloutStatus, SamplingParams, Span, Task

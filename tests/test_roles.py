@@ -15,11 +15,12 @@ from openai import OpenAI
 from peft import PeftModel
 from transformers import AutoModelForCausalLM
 
+from tracerl.agents import python_agent
 from tracerl.algorithms.config import AlgorithmConfig
 from tracerl.pipeline.config import PipelineConfig, TrainConfig
 from tracerl.pipeline.run import train
 from tracerl.roles import RoleConfig, remote_roles
-from tracerl.runner import RunnerConfig, python_agent
+from tracerl.runner import RunnerConfig
 from tracerl.stack import start_stack
 from tracerl.store.sqlite import SqliteStore
 from tracerl.trainer.trainer import LoraSettings, Trainer, TrainerConfig

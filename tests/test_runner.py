@@ -15,8 +15,9 @@ from pathlib import Path
 import pytest
 from transformers import AutoTokenizer
 
+from tracerl.agents import load_agent
 from tracerl.gateway import Gateway, ServedModel, create_app
-from tracerl.runner import Runner, RunnerConfig, load_agent
+from tracerl.runner import Runner, RunnerConfig
 from tracerl.server import BackgroundServer, serve_in_thread
 from tracerl.store.sqlite import SqliteStore
 from tracerl.types import RolloutStatus, Task
@@ -48,7 +49,7 @@ def _tasks(store: SqliteStore, n: int) -> list[str]:
 
 
 def _run(store: SqliteStore, url: str, spec: str, cfg: RunnerConfig) -> Runner:
-    from tracerl.runner import load_callable
+    from tracerl.agents import load_callable
 
     with ThreadPoolExecutor(8) as threads:
         runner = Runner(store, url, load_agent(spec, threads), load_callable(REWARD), cfg)

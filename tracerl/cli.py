@@ -26,6 +26,7 @@ from tracerl.entrypoints.config import (
     TrainCommand,
     config_errors,
 )
+from tracerl.entrypoints.export import ExportCommand
 from tracerl.entrypoints.store import StoreCommand
 
 console = Console()
@@ -54,6 +55,7 @@ class Tracerl(
     store: CliSubCommand[StoreCommand]
     dashboard: CliSubCommand[DashboardCommand]
     ctl: CliSubCommand[CtlCommand]
+    export: CliSubCommand[ExportCommand]
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -18,7 +18,8 @@ from pydantic import BaseModel, ValidationError
 from rich.console import Console
 from tqdm import tqdm
 
-from tracerl.runner import AgentFn, RewardFn, Runner, RunnerConfig
+from tracerl.agents import AgentFn, RewardFn
+from tracerl.runner import Runner, RunnerConfig
 from tracerl.store import Store
 from tracerl.types import Rollout, Span, Task
 

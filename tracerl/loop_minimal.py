@@ -24,11 +24,11 @@ from pydantic import Field
 from pydantic_settings import BaseSettings, CliApp, SettingsConfigDict
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from tracerl.agents import load_callable, python_agent
 from tracerl.demo import example_module
 from tracerl.evaluate import run_rollouts
 from tracerl.models.template import render_chat
 from tracerl.models.tiny import TinyModelConfig, build_tiny_model
-from tracerl.runner import load_callable, python_agent
 from tracerl.stack import start_stack
 from tracerl.types import Span, Task
 

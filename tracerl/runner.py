@@ -7,190 +7,29 @@ becomes a failed or timed-out rollout with the error stored; it never stops the 
 the runner process dies, its leases expire and the store re-queues the rollouts for
 another runner.
 
-Agents come in two forms: a Python callable `run(task_input, *, base_url, api_key, model)`
-(sync ones run in threads, async ones on the loop), or an external command in any language
-that reads OPENAI_BASE_URL / OPENAI_API_KEY / OPENAI_MODEL and the task (JSON, in
-TRACERL_TASK and on stdin), prints its answer as the last line of stdout, and may POST its
-reward to TRACERL_REWARD_URL. The API key is the attempt's own when the service has keys
+How agent code is loaded and called (a Python callable or an external command) is
+tracerl.agents. The API key an agent gets is the attempt's own when the service has keys
 (sent as a Bearer token, it opens that attempt's model calls and reward only).
 """
 
 from __future__ import annotations
 
 import asyncio
-import functools
-import hashlib
-import importlib
-import importlib.machinery
-import importlib.util
-import inspect
-import json
 import logging
-import os
-import shlex
-import sys
 import time
 import traceback
 import uuid
-from collections.abc import Awaitable, Callable
-from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
-from pathlib import Path
-from types import ModuleType
-from typing import Any
+from collections.abc import Callable
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from tracerl import noise as tool_noise
+from tracerl.agents import AgentFn, AgentResult, RewardFn
+from tracerl.noise import NoiseConfig, NoiseSpec
 from tracerl.store import LeaseLost, Store, StoreError, StoreUnavailable
-from tracerl.types import Rollout, RolloutStatus, Task
+from tracerl.types import Reward, Rollout, RolloutStatus, Task
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class AgentResult:
-    """What an agent hands back for one rollout."""
-
-    answer: str | None
-    """The final answer (what the reward function judges)."""
-    reward: float | None = None
-    """A reward the agent computed itself; wins over every other source."""
-
-
-AgentFn = Callable[[Task, str, str, str], Awaitable[AgentResult]]
-"""(task, base_url, api_key, model) -> result, awaitable."""
-
-RewardFn = Callable[[dict[str, Any], str], float]
-"""(task as in the task file, answer) -> reward."""
-
-
-def load_file(path: str | Path) -> ModuleType:
-    """Import a Python file by path, leaving sys.path alone.
-
-    The file's folder becomes a package with a name of its own (derived from the folder's
-    path), so two folders that each hold an `agent.py` and a `tasks.py` never share a module,
-    and a file imports its siblings relatively (`from . import tasks`), each its own folder's.
-    A file is executed once per process; later calls return the same module.
-    """
-    path = Path(path).resolve()
-    if not path.is_file():
-        raise FileNotFoundError(f"no such file: {path}")
-    digest = hashlib.sha1(str(path.parent).encode()).hexdigest()[:12]
-    package = f"tracerl_files.{_identifier(path.parent.name)}_{digest}"
-    _ensure_package("tracerl_files", [])
-    _ensure_package(package, [str(path.parent)])
-    name = f"{package}.{path.stem}"
-    if name in sys.modules:
-        return sys.modules[name]
-    spec = importlib.util.spec_from_file_location(name, path)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module
-    try:
-        spec.loader.exec_module(module)
-    except BaseException:
-        del sys.modules[name]  # a file that failed to import is retried, not half-loaded
-        raise
-    return module
-
-
-def _identifier(text: str) -> str:
-    return "".join(ch if ch.isalnum() else "_" for ch in text) or "_"
-
-
-def _ensure_package(name: str, search: list[str]) -> None:
-    """A package module `name` whose submodules are found in the folders `search`."""
-    if name not in sys.modules:
-        spec = importlib.machinery.ModuleSpec(name, None, is_package=True)
-        spec.submodule_search_locations = search
-        sys.modules[name] = importlib.util.module_from_spec(spec)
-
-
-def load_callable(spec: str) -> Callable[..., Any]:
-    """Resolve 'path/to/file.py:name' or 'package.module:name' to the object it names."""
-    target, sep, name = spec.rpartition(":")
-    if not sep or not target or not name:
-        raise ValueError(f"expected 'file.py:function' or 'module:function', got {spec!r}")
-    if target.endswith(".py"):
-        if not Path(target).is_file():
-            raise FileNotFoundError(f"no such agent file: {target}")
-        module = load_file(target)
-    else:
-        module = importlib.import_module(target)
-    fn = getattr(module, name, None)
-    if fn is None or not callable(fn):
-        raise AttributeError(f"{target} has no callable {name!r}")
-    return fn
-
-
-def _result(value: Any) -> AgentResult:
-    """Accept what agents naturally return: a string, a dict, or an AgentResult."""
-    if isinstance(value, AgentResult):
-        return value
-    if isinstance(value, dict):
-        reward = value.get("reward")
-        answer = value.get("answer")
-        return AgentResult(
-            None if answer is None else str(answer), None if reward is None else float(reward)
-        )
-    return AgentResult(None if value is None else str(value))
-
-
-def python_agent(fn: Callable[..., Any], threads: ThreadPoolExecutor) -> AgentFn:
-    """Wrap a user function; sync functions run on the thread pool."""
-
-    async def call(task: Task, base_url: str, api_key: str, model: str) -> AgentResult:
-        kwargs = {"base_url": base_url, "api_key": api_key, "model": model}
-        if inspect.iscoroutinefunction(fn):
-            return _result(await fn(task.input, **kwargs))
-        loop = asyncio.get_running_loop()
-        value = await loop.run_in_executor(threads, functools.partial(fn, task.input, **kwargs))
-        return _result(value)
-
-    return call
-
-
-def command_agent(command: str) -> AgentFn:
-    """Wrap an external command (any language); killed when the rollout times out."""
-    argv = shlex.split(command)
-
-    async def call(task: Task, base_url: str, api_key: str, model: str) -> AgentResult:
-        payload = json.dumps(task.input)
-        env = {
-            **os.environ,
-            "OPENAI_BASE_URL": base_url,
-            "OPENAI_API_KEY": api_key,
-            "OPENAI_MODEL": model,
-            "TRACERL_TASK": payload,
-            "TRACERL_REWARD_URL": base_url.removesuffix("/v1") + "/reward",
-        }
-        proc = await asyncio.create_subprocess_exec(
-            *argv,
-            stdin=asyncio.subprocess.PIPE,
-            stdout=asyncio.subprocess.PIPE,
-            stderr=asyncio.subprocess.PIPE,
-            env=env,
-        )
-        try:
-            out, err = await proc.communicate(payload.encode())
-        except asyncio.CancelledError:
-            proc.kill()
-            await proc.wait()
-            raise
-        if proc.returncode != 0:
-            tail = err.decode(errors="replace").strip().splitlines()[-5:]
-            raise RuntimeError(f"agent command exited {proc.returncode}: " + "\n".join(tail))
-        lines = [line for line in out.decode(errors="replace").splitlines() if line.strip()]
-        return AgentResult(lines[-1].strip() if lines else "")
-
-    return call
-
-
-def load_agent(spec: str, threads: ThreadPoolExecutor) -> AgentFn:
-    """'cmd:<command line>' for an external command, else a Python callable spec."""
-    if spec.startswith("cmd:"):
-        return command_agent(spec.removeprefix("cmd:").strip())
-    return python_agent(load_callable(spec), threads)
 
 
 class RunnerConfig(BaseModel):
@@ -209,6 +48,8 @@ class RunnerConfig(BaseModel):
     this process: its gateway has no keys)."""
     poll_s: float = Field(default=0.05, gt=0)
     """Sleep between claims when nothing is queued."""
+    noise: NoiseConfig = NoiseConfig()
+    """Perturbed tool results for agents that use the hook (tracerl.noise); off by default."""
 
 
 class Runner:
@@ -307,8 +148,10 @@ class Runner:
         # this attempt's model calls and reward only, and dies with the attempt.
         minted = getattr(self.store, "agent_key", None)
         api_key = (minted and minted(rollout.id, rollout.attempt)) or self.cfg.api_key
+        spec = await self._noise_spec(rollout)
+        seen = tool_noise.with_spec(task, spec) if spec else task  # the reward judges the task
         run: asyncio.Future[AgentResult] = asyncio.ensure_future(
-            self.agent(task, base_url, api_key, self.model)
+            self.agent(seen, base_url, api_key, self.model)
         )
         beat = asyncio.create_task(self._heartbeat(rollout, run))
         answer, reward, error = None, None, None
@@ -327,7 +170,26 @@ class Runner:
             status, error = RolloutStatus.failed, _error_text(e)
         finally:
             beat.cancel()
+        if spec is not None and not await self._record_noise(rollout, spec):
+            return
         await self._finish(rollout, status, answer, reward, error)
+
+    async def _noise_spec(self, rollout: Rollout) -> NoiseSpec | None:
+        if not self.cfg.noise.enabled:
+            return None
+        step = await asyncio.to_thread(tool_noise.noise_step, self.store, self.model)
+        return tool_noise.spec_for(self.cfg.noise, rollout.id, rollout.attempt, step)
+
+    async def _record_noise(self, rollout: Rollout, spec: NoiseSpec) -> bool:
+        """Store the attempt's perturbation count; False when the lease is gone."""
+        count = len(tool_noise.take_applied(spec.id))
+        record = Reward(rollout_id=rollout.id, attempt=rollout.attempt, value=count,
+                        name=tool_noise.NOISE_REWARD)  # fmt: skip
+        try:
+            await asyncio.to_thread(self.store.add_reward, record)
+        except LeaseLost:
+            return False
+        return True
 
     async def _finish(
         self,
@@ -353,7 +215,7 @@ class Runner:
         emitted = [
             r
             for r in self.store.rewards(rollout.id, rollout.attempt)
-            if r.span_seq is None and r.role is None
+            if r.span_seq is None and r.role is None and r.name != tool_noise.NOISE_REWARD
         ]
         if emitted:
             return emitted[-1].value

@@ -155,9 +155,18 @@ class RunnerCommand(Command):
 class SftCommand(Command):
     """Supervised warm start of a local model (or a new tiny one) from demonstrations."""
 
-    demos: str
-    """Demonstrations JSONL: one {"messages": [...], "tools": [...]} per line (other keys,
-    such as "id", are ignored)."""
+    demos: str | None = None
+    """Demonstrations JSONL, each line OpenAI chat ({"messages": [...], "tools": [...]}; other
+    keys such as "id" are ignored) or an ADP trajectory (`tracerl export`; with its token ids
+    these are trained on as they are, and need --base)."""
+    from_traces: str | None = Field(default=None, alias="from-traces")
+    """Train on recorded traces instead: a store file or run dir. Each rollout's calls are
+    merged per role into rows as RL does; the loss falls on the sampled ids only, never
+    re-tokenized. Needs --base (the tokenizer that made the ids). On a run's own store with
+    --filter 'reward >= 1' this is rejection-sampling fine-tuning."""
+    filter: str = ""
+    """With --from-traces: which rollouts and calls, e.g. 'reward >= 1 and role == executor'
+    (fields reward, noise, status, split, task, role, version; tracerl/export/filter.py)."""
     out: str
     """Output HF model directory."""
     base: str | None = None

@@ -8,12 +8,12 @@ from pathlib import Path
 
 from rich.console import Console
 
+from tracerl.agents import load_agent, load_callable
 from tracerl.entrypoints import quiet_model_loading
 from tracerl.entrypoints.config import EvalCommand
 from tracerl.evaluate import evaluate, load_tasks, print_report
 from tracerl.pipeline.run import start_roles_stack
 from tracerl.roles import remote_roles
-from tracerl.runner import load_agent, load_callable
 from tracerl.traces import remember_store
 
 

@@ -9,8 +9,9 @@ from concurrent.futures import ThreadPoolExecutor
 
 from rich.console import Console
 
+from tracerl.agents import load_agent, load_callable
 from tracerl.entrypoints.config import RunnerCommand
-from tracerl.runner import Runner, load_agent, load_callable
+from tracerl.runner import Runner
 from tracerl.store.http import StoreClient
 
 

@@ -1,4 +1,5 @@
-"""`tracerl sft`: a supervised warm start from demonstrations, before any RL."""
+"""`tracerl sft`: supervised fine-tuning from demonstrations (OpenAI chat or ADP lines) or
+from recorded traces (`--from-traces`, the rows' own token ids), before or between RL runs."""
 
 from __future__ import annotations
 
@@ -7,21 +8,43 @@ from rich.console import Console
 from tracerl.entrypoints import quiet_model_loading
 from tracerl.entrypoints.config import SftCommand
 from tracerl.models.recipe import HabitStage, skill_then_habit
-from tracerl.models.sft import SftConfig, SftResult, load_demos, sft_new_or_base
+from tracerl.models.sft import Demo, EncodedDemo, SftConfig, SftResult, sft_new_or_base
+
+
+def _examples(cfg: SftCommand) -> list[Demo | EncodedDemo]:
+    """The training examples the flags name (SystemExit saying what is wrong)."""
+    if (cfg.demos is None) == (cfg.from_traces is None):
+        raise SystemExit("tracerl sft needs exactly one of --demos FILE and --from-traces STORE")
+    from tracerl.export import read_rows, rows_as_examples
+    from tracerl.export.formats import read_training_file
+
+    try:
+        if cfg.demos is not None:
+            return read_training_file(cfg.demos)
+        assert cfg.from_traces is not None
+        rows = read_rows(cfg.from_traces, cfg.filter)
+    except (OSError, ValueError) as e:
+        raise SystemExit(str(e)) from None
+    if not rows:
+        raise SystemExit(f"no rows in {cfg.from_traces} pass the filter {cfg.filter!r}")
+    return rows_as_examples(rows)
 
 
 def main(cfg: SftCommand, console: Console) -> None:
-    """Fine-tune `base` (or a new tiny model) on the demos and save it to `out`."""
+    """Fine-tune `base` (or a new tiny model) on the examples and save it to `out`."""
     quiet_model_loading()
-    try:
-        demos = load_demos(cfg.demos)
-    except (OSError, ValueError) as e:
-        raise SystemExit(str(e)) from None
+    examples = _examples(cfg)
     # The flags left unset keep SftConfig's defaults.
     given = cfg.model_dump(include={"steps", "stop_loss", "lr", "seed"}, exclude_none=True)
+    encoded = any(isinstance(e, EncodedDemo) for e in examples)
+    if encoded and cfg.base is None:
+        raise SystemExit("examples given as token ids need --base (the model that made them)")
     if cfg.recipe == "plain":
-        _print(console, sft_new_or_base(demos, cfg.out, cfg.base, SftConfig(**given)))
+        _print(console, sft_new_or_base(examples, cfg.out, cfg.base, SftConfig(**given)))
         return
+    if encoded:
+        raise SystemExit("skill-then-habit degrades conversations; token-id examples have none")
+    demos = [e for e in examples if isinstance(e, Demo)]
     habit = HabitStage(rate=cfg.habit_rate, steps=cfg.habit_steps, lr=cfg.habit_lr)
     for stage in skill_then_habit(demos, cfg.out, cfg.base, SftConfig(**given), habit):
         _print(console, stage)

@@ -4,7 +4,7 @@ Each folder is plain user code written against the public OpenAI client (it know
 of tracerl) and its files run as scripts; in a checkout `examples/` points here, so
 `python examples/calculator/tasks.py 50 eval` works as documented. The folders ship inside
 the package, so `tracerl demo` finds them from an installed wheel too; a file of one is
-loaded by path (`tracerl.runner.load_file`), never through sys.path.
+loaded by path (`tracerl.agents.load_file`), never through sys.path.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from importlib.resources import files
 from pathlib import Path
 from types import ModuleType
 
-from tracerl.runner import load_file
+from tracerl.agents import load_file
 
 __all__ = ["example_dir", "example_file", "example_module"]
 

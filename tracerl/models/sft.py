@@ -5,6 +5,9 @@ tool-call text and closing end token. The mask is exact by construction: each co
 is rendered prefix by prefix with the model's own chat template, every segment is tokenized
 on its own, and the ids are concatenated — the same ids the gateway's token-in/token-out
 would hand the trainer. Works for any local HF model dir whose template is prefix-stable.
+
+Examples that already are ids (`EncodedDemo`: recorded traces, ADP with its token ids)
+skip rendering and are trained on as they are (`tracerl sft --from-traces`).
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ import math
 import random
 import time
 import warnings
+from collections.abc import Sequence
 from pathlib import Path
 
 import torch
@@ -35,8 +39,10 @@ __all__ = [
     "EncodedDemo",
     "SftConfig",
     "SftResult",
+    "collate",
     "encode_demo",
     "load_demos",
+    "mean_loss",
     "sft",
     "sft_new_or_base",
 ]
@@ -206,7 +212,7 @@ def encode_demo(tokenizer: PreTrainedTokenizerBase, demo: Demo) -> EncodedDemo:
     return EncodedDemo(input_ids=ids, loss_mask=mask)
 
 
-def _batch(
+def collate(
     encoded: list[EncodedDemo], pad_id: int, max_len: int
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Right-padded input_ids_BT, attention_mask_BT and labels_BT (-100 off the mask)."""
@@ -234,8 +240,38 @@ def _order(n: int, steps: int, batch_size: int, seed: int) -> list[list[int]]:
     return [flat[s * batch_size : (s + 1) * batch_size] for s in range(steps)]
 
 
+def _encoded(tokenizer: PreTrainedTokenizerBase, demos: Sequence[Demo | EncodedDemo]) -> list:
+    """Every example as ids: demos rendered and tokenized, encoded ones as they are."""
+    out = [d if isinstance(d, EncodedDemo) else encode_demo(tokenizer, d) for d in demos]
+    top = max((max(e.input_ids, default=0) for e in out), default=0)
+    if top >= len(tokenizer):  # ids recorded with another tokenizer than the base's
+        raise ValueError(f"token id {top} is outside the base model's vocabulary")
+    return out
+
+
+def _pad_id(tokenizer: PreTrainedTokenizerBase) -> int:
+    return tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+
+
+@torch.no_grad()
+def mean_loss(model_dir: str | Path, demos: Sequence[Demo | EncodedDemo], max_len: int) -> float:
+    """Mean loss per masked token of the model in `model_dir` over `demos` (fp32)."""
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    total, count = 0.0, 0
+    for e in _encoded(tokenizer, demos):
+        ids_BT, attn_BT, labels_BT = collate([e], _pad_id(tokenizer), max_len)
+        n = int((labels_BT[:, 1:] != -100).sum())  # the first token is never a target
+        total += model(input_ids=ids_BT, attention_mask=attn_BT, labels=labels_BT).loss.item() * n
+        count += n
+    return total / max(count, 1)
+
+
 def sft(
-    base_dir: str | Path, demos: list[Demo], out_dir: str | Path, cfg: SftConfig | None = None
+    base_dir: str | Path,
+    demos: Sequence[Demo | EncodedDemo],
+    out_dir: str | Path,
+    cfg: SftConfig | None = None,
 ) -> SftResult:
     """Fine-tune the HF model in `base_dir` on `demos` and save model + tokenizer to `out_dir`."""
     cfg = cfg or SftConfig()
@@ -243,8 +279,8 @@ def sft(
         raise ValueError("no demonstrations")
     tokenizer = AutoTokenizer.from_pretrained(base_dir)
     model = AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32)
-    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
-    encoded = [encode_demo(tokenizer, d) for d in demos]
+    pad_id = _pad_id(tokenizer)
+    encoded = _encoded(tokenizer, demos)
     optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
     schedule = get_cosine_schedule_with_warmup(optimizer, cfg.warmup, cfg.steps)
     model.train()
@@ -253,7 +289,7 @@ def sft(
     start = time.perf_counter()
     bar = tqdm(_order(len(encoded), cfg.steps, cfg.batch_size, cfg.seed), disable=not cfg.progress)
     for step, indices in enumerate(bar):
-        ids_BT, attn_BT, labels_BT = _batch([encoded[i] for i in indices], pad_id, cfg.max_len)
+        ids_BT, attn_BT, labels_BT = collate([encoded[i] for i in indices], pad_id, cfg.max_len)
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=cfg.bf16):
             loss = model(input_ids=ids_BT, attention_mask=attn_BT, labels=labels_BT).loss
         loss.backward()
@@ -287,13 +323,19 @@ def sft(
 
 
 def sft_new_or_base(
-    demos: list[Demo], out_dir: str | Path, base_dir: str | Path | None, cfg: SftConfig
+    demos: Sequence[Demo | EncodedDemo],
+    out_dir: str | Path,
+    base_dir: str | Path | None,
+    cfg: SftConfig,
 ) -> SftResult:
     """`sft` from `base_dir`, or with none from a new tiny model whose tokenizer is trained on
-    the demos' text, saved beside the output as <out_dir>-base (what `tracerl sft` does)."""
+    the demos' text, saved beside the output as <out_dir>-base (what `tracerl sft` does).
+    Examples given as ids need the base whose tokenizer made them."""
     if base_dir is None:
+        if any(isinstance(d, EncodedDemo) for d in demos):
+            raise ValueError("examples given as token ids need --base (the model that made them)")
         out = Path(out_dir)
         base_dir = out.with_name(out.name + "-base")
-        texts = [render_chat(d.messages, d.tools) for d in demos]
+        texts = [render_chat(d.messages, d.tools) for d in demos if isinstance(d, Demo)]
         build_tiny_model(base_dir, texts, TinyModelConfig())
     return sft(base_dir, demos, out_dir, cfg)

@@ -25,6 +25,7 @@ from pathlib import Path
 from pydantic import BaseModel
 from tqdm import tqdm
 
+from tracerl.agents import AgentFn, RewardFn, load_agent, load_callable
 from tracerl.algorithms.curation import Curation
 from tracerl.engines.config import EngineConfig
 from tracerl.evaluate import EvalReport, evaluate, load_tasks
@@ -40,7 +41,6 @@ from tracerl.pipeline.preflight import PreflightReport, preflight
 from tracerl.pipeline.sources import Agents, RolloutSource, SyncSource, TaskOrder
 from tracerl.pipeline.step import Pipeline, Policy
 from tracerl.roles import GatewayConfig, PolicySpec, remote_roles
-from tracerl.runner import AgentFn, RewardFn, load_agent, load_callable
 from tracerl.stack import LocalStack, start_multi_stack
 from tracerl.trainer.trainer import Trainer
 from tracerl.types import Task

@@ -21,8 +21,9 @@ from typing import Protocol
 
 from pydantic import BaseModel, ConfigDict
 
+from tracerl.agents import AgentFn, RewardFn
 from tracerl.algorithms.curation import Curation
-from tracerl.runner import AgentFn, RewardFn, Runner, RunnerConfig
+from tracerl.runner import Runner, RunnerConfig
 from tracerl.store import Store
 from tracerl.types import HAS_OUTCOME, FinishedRollout, Group, Rollout, Task
 

@@ -2,7 +2,9 @@
 
 It knows nothing of tracerl: it is given a base_url, an api_key and a model name, and runs a
 plain tool-calling loop (model -> tool call -> calculator result -> model -> final answer).
-Point base_url at any OpenAI-compatible server and it works the same.
+Point base_url at any OpenAI-compatible server and it works the same. Only when the runner
+asks for tool noise (a `tracerl_noise` key in the task) does it import tracerl, to perturb
+its calculator's results (tracerl.noise).
 """
 
 from __future__ import annotations
@@ -82,8 +84,19 @@ def _http() -> httpx.Client:
     return httpx.Client(timeout=60.0, limits=httpx.Limits(max_connections=256))
 
 
+def tools_for(task: dict) -> dict:
+    """The agent's tools; with noise when the runner asked for it (tracerl.noise)."""
+    tools = {"calculator": calculate}
+    if "tracerl_noise" in task:  # imported only then: the agent runs without tracerl
+        from tracerl import noise
+
+        tools = noise.wrap(tools, task)
+    return tools
+
+
 def run(task: dict, *, base_url: str, api_key: str, model: str) -> str:
     """Solve one task ({"question": ...}); returns the final answer text."""
+    calculator = tools_for(task)["calculator"]
     client = OpenAI(base_url=base_url, api_key=api_key, max_retries=0, http_client=_http())
     messages: list = [
         {"role": "system", "content": SYSTEM_PROMPT},
@@ -104,7 +117,7 @@ def run(task: dict, *, base_url: str, api_key: str, model: str) -> str:
                 expression = ""
             time.sleep(tool_latency())
             messages.append(
-                {"role": "tool", "tool_call_id": call.id, "content": calculate(str(expression))}
+                {"role": "tool", "tool_call_id": call.id, "content": calculator(str(expression))}
             )
     return ""
 

@@ -19,9 +19,10 @@ from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+from tracerl.agents import load_callable, python_agent
 from tracerl.evaluate import EvalReport, evaluate
 from tracerl.examples import example_file, example_module
-from tracerl.runner import RunnerConfig, load_callable, python_agent
+from tracerl.runner import RunnerConfig
 from tracerl.stack import start_multi_stack
 from tracerl.store.sqlite import SqliteStore
 from tracerl.types import Rollout, Span, Task
