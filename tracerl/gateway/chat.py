@@ -144,6 +144,8 @@ class ChatRequest(BaseModel):
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     """"required" or a named function forces a tool call (enforced by engines that
     constrain decoding, the transformers one); "none" and "auto" constrain nothing."""
+    parallel_tool_calls: bool | None = None
+    """False: a forced tool call is exactly one call (default: one or more)."""
     response_format: ResponseFormat | None = None
     """{"type": "json_object"} or {"type": "json_schema", "json_schema": {"schema": ...}}:
     the reply is valid JSON (of that schema) where decoding is constrained."""

@@ -16,10 +16,24 @@ from typing import Any
 
 from pydantic import BaseModel, JsonValue
 
-__all__ = ["Call", "Literal", "ParsedReply", "ToolFormat", "call_schema", "json_objects"]
+__all__ = [
+    "COMPACT_JSON",
+    "Call",
+    "Literal",
+    "json_item",
+    "one_of_calls",
+    "ParsedReply",
+    "ToolFormat",
+    "call_schema",
+    "json_objects",
+]
 
 Call = dict[str, JsonValue]
 """One parsed call in canonical form: {"name": str, "arguments": dict}."""
+
+COMPACT_JSON = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+"""How forced JSON is spaced: as json.dumps writes it. Free whitespace would let a weak
+model pad a value with blanks until max_tokens runs out."""
 
 Literal = Callable[[str], str]
 """Renders a marker as a grammar literal: a special token by id when the tokenizer has it
@@ -49,8 +63,9 @@ class ToolFormat:
     """Text that begins the calls: a streamed reply's content stops where one appears."""
     parse: Callable[[str, list[dict[str, Any]]], tuple[str, list[Call]]]
     """(text, tools) -> (content left, calls); text it cannot read stays in the content."""
-    grammar: Callable[[list[dict[str, Any]], Literal], str]
-    """(tools, literal) -> a Lark grammar whose `start` is one or more calls of the tools."""
+    grammar: Callable[[list[dict[str, Any]], Literal, bool], str]
+    """(tools, literal, parallel) -> a Lark grammar whose `start` is one call of the tools,
+    or (parallel) one or more."""
 
 
 def call_schema(tool: dict[str, Any], key: str = "arguments") -> dict[str, Any]:
@@ -68,8 +83,12 @@ def call_schema(tool: dict[str, Any], key: str = "arguments") -> dict[str, Any]:
 def one_of_calls(tools: list[dict[str, Any]], key: str = "arguments") -> str:
     """A `%json` grammar item accepting a call object of any of the tools."""
     schemas = [call_schema(t, key) for t in tools]
-    schema = schemas[0] if len(schemas) == 1 else {"anyOf": schemas}
-    return "%json " + json.dumps(schema)
+    return json_item(schemas[0] if len(schemas) == 1 else {"anyOf": schemas})
+
+
+def json_item(schema: dict[str, Any]) -> str:
+    """A Lark `%json` item for the schema, spaced compactly (COMPACT_JSON)."""
+    return "%json " + json.dumps({**schema, "x-guidance": COMPACT_JSON})
 
 
 def json_objects(text: str, separators: str = " \t\n;,") -> list[Any] | None:

@@ -18,7 +18,7 @@ from transformers import PreTrainedTokenizerBase
 
 from tracerl.engines.constrained import ConstrainedParams, grammar_error
 from tracerl.gateway.errors import GatewayError
-from tracerl.gateway.toolcalls.base import ToolFormat
+from tracerl.gateway.toolcalls.base import COMPACT_JSON, ToolFormat
 from tracerl.types import SamplingParams
 
 if TYPE_CHECKING:
@@ -77,7 +77,8 @@ def _tool_grammar(
         return None
     if not isinstance(choice, str):
         tools = [t for t in tools if t["function"]["name"] == choice.function.name]
-    return LLMatcher.grammar_from_lark(fmt.grammar(tools, literal_for(tokenizer)))
+    parallel = req.parallel_tool_calls is not False
+    return LLMatcher.grammar_from_lark(fmt.grammar(tools, literal_for(tokenizer), parallel))
 
 
 def _json_grammar(req: ChatRequest) -> str | None:
@@ -87,7 +88,9 @@ def _json_grammar(req: ChatRequest) -> str | None:
     schema: dict[str, Any] = {"type": "object"}
     if fmt.type == "json_schema" and fmt.json_schema is not None:
         schema = fmt.json_schema.schema_ or schema
-    return LLMatcher.grammar_from_json_schema(json.dumps(schema))
+    # Defaults, so a schema's own "x-guidance" options still win.
+    compact: Any = COMPACT_JSON
+    return LLMatcher.grammar_from_json_schema(json.dumps(schema), defaults=compact)
 
 
 def literal_for(tokenizer: PreTrainedTokenizerBase) -> Any:

@@ -42,11 +42,11 @@ def _block(body: str) -> Call | None:
         return None
 
 
-def grammar(tools: list[dict[str, Any]], literal: Literal) -> str:
-    """One or more tagged calls, newlines inside the tags optional."""
+def grammar(tools: list[dict[str, Any]], literal: Literal, parallel: bool) -> str:
+    """One tagged call (or more when parallel), newlines inside the tags optional."""
     return "\n".join(
         [
-            "start: call+",
+            "start: call+" if parallel else "start: call",
             f'call: {literal(OPEN)} "\\n"? body "\\n"? {literal(CLOSE)}',
             f"body: {one_of_calls(tools)}",
         ]

@@ -35,11 +35,12 @@ def parse(text: str, tools: list[dict[str, Any]]) -> tuple[str, list[Call]]:
     return "", [c for c in calls if c is not None]
 
 
-def grammar(tools: list[dict[str, Any]], literal: Literal) -> str:
-    """One or more calls with "parameters", separated by '; '."""
+def grammar(tools: list[dict[str, Any]], literal: Literal, parallel: bool) -> str:
+    """One call with "parameters" (or more when parallel, separated by '; ')."""
+    more = ' ("; " call)*' if parallel else ""
     return "\n".join(
         [
-            f'start: {literal(PYTHON_TAG)}? call ("; " call)*',
+            f"start: {literal(PYTHON_TAG)}? call{more}",
             f"call: {one_of_calls(tools, 'parameters')}",
         ]
     )

@@ -18,6 +18,7 @@ from tracerl.gateway.toolcalls.base import (
     ToolFormat,
     as_call,
     call_schema,
+    json_item,
     json_objects,
 )
 
@@ -63,12 +64,14 @@ def _named(body: str) -> Call | None:
     return as_call({"name": match.group(1), "arguments": args})
 
 
-def grammar(tools: list[dict[str, Any]], literal: Literal) -> str:
-    """The marker and a non-empty JSON list of calls."""
+def grammar(tools: list[dict[str, Any]], literal: Literal, parallel: bool) -> str:
+    """The marker and a JSON list of one call (or more when parallel)."""
     items = [call_schema(t) for t in tools]
     one = items[0] if len(items) == 1 else {"anyOf": items}
     schema = {"type": "array", "minItems": 1, "items": one}
-    return f"start: {literal(MARK)} calls\ncalls: %json {json.dumps(schema)}"
+    if not parallel:
+        schema["maxItems"] = 1
+    return f"start: {literal(MARK)} calls\ncalls: {json_item(schema)}"
 
 
 MISTRAL = ToolFormat("mistral", (MARK, ARGS), (MARK,), parse, grammar)

@@ -18,7 +18,7 @@ import json
 import re
 from typing import Any
 
-from tracerl.gateway.toolcalls.base import Call, Literal, ToolFormat
+from tracerl.gateway.toolcalls.base import Call, Literal, ToolFormat, json_item
 
 __all__ = ["QWEN3_CODER"]
 
@@ -79,10 +79,11 @@ def _param_types(tools: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
     return out
 
 
-def grammar(tools: list[dict[str, Any]], literal: Literal) -> str:
-    """One or more calls; required parameters in schema order, then optional ones."""
+def grammar(tools: list[dict[str, Any]], literal: Literal, parallel: bool) -> str:
+    """One call (or more when parallel); parameters in schema order, optional ones may be
+    left out."""
     rules = [
-        "start: call+",
+        "start: call+" if parallel else "start: call",
         f'call: {literal(OPEN)} "\\n" function "\\n" {literal(CLOSE)}',
         "function: " + " | ".join(f"fn_{i}" for i in range(len(tools))),
         "TEXT: /[^<]*/",
@@ -95,7 +96,7 @@ def grammar(tools: list[dict[str, Any]], literal: Literal) -> str:
         items = []
         for j, (key, schema) in enumerate(props.items()):
             rule = f"p_{i}_{j}"
-            value = "TEXT" if schema.get("type") == "string" else f"%json {json.dumps(schema)}"
+            value = "TEXT" if schema.get("type") == "string" else json_item(schema)
             rules.append(f'{rule}: "<parameter={key}>\\n" {value} "\\n</parameter>\\n"')
             items.append(rule if key in required else f"{rule}?")
         head = json.dumps(f"<function={fn['name']}>\n")
