@@ -151,9 +151,14 @@ def test_bad_formats_are_4xx(stack) -> None:  # type: ignore[no-untyped-def]
         {"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "div"}}},
         {"response_format": {"type": "json_schema"}},  # no schema
         {"response_format": {"type": "yaml"}},
+        {"tools": TOOLS, "tool_choice": {"type": "function"}},  # no name
     ):
         with pytest.raises(ValueError):
             ChatRequest.model_validate({"model": "policy", "messages": MESSAGES, **wrong})
+    # Choices of kinds the gateway does not enforce are accepted and force nothing.
+    other = {"type": "allowed_tools", "mode": "auto", "tools": []}
+    (served,) = _ask(gateway, None, 1, tools=TOOLS, tool_choice=other, max_tokens=4)
+    assert served.choices[0].gen.finish_reason in ("stop", "length")
 
 
 def test_responses_and_messages_enforce_over_http(stack) -> None:  # type: ignore[no-untyped-def]

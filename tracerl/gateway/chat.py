@@ -141,9 +141,12 @@ class ChatRequest(BaseModel):
     """Answer as server-sent events."""
     stream_options: dict[str, JsonValue] | None = None
     """{"include_usage": true} adds a final usage chunk."""
-    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    tool_choice: (
+        Literal["none", "auto", "required"] | NamedToolChoice | dict[str, JsonValue] | None
+    ) = Field(default=None, union_mode="left_to_right")
     """"required" or a named function forces a tool call (enforced by engines that
-    constrain decoding, the transformers one); "none" and "auto" constrain nothing."""
+    constrain decoding, the transformers one); "none", "auto" and choices of other types
+    (allowed_tools, custom) constrain nothing."""
     parallel_tool_calls: bool | None = None
     """False: a forced tool call is exactly one call (default: one or more)."""
     response_format: ResponseFormat | None = None
@@ -153,6 +156,8 @@ class ChatRequest(BaseModel):
     @model_validator(mode="after")
     def _choice_names_a_tool(self) -> ChatRequest:
         names = {t.function.name for t in self.tools or []}
+        if isinstance(self.tool_choice, dict) and self.tool_choice.get("type") == "function":
+            raise ValueError("tool_choice of type 'function' needs function.name")
         if self.tool_choice == "required" and not names:
             raise ValueError("tool_choice 'required' needs tools")
         if isinstance(self.tool_choice, NamedToolChoice):

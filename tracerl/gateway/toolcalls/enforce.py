@@ -17,12 +17,12 @@ from llguidance import LLMatcher
 from transformers import PreTrainedTokenizerBase
 
 from tracerl.engines.constrained import ConstrainedParams, grammar_error
+from tracerl.gateway.chat import ChatRequest, NamedToolChoice
 from tracerl.gateway.errors import GatewayError
 from tracerl.gateway.toolcalls.base import COMPACT_JSON, ToolFormat
 from tracerl.types import SamplingParams
 
 if TYPE_CHECKING:
-    from tracerl.gateway.chat import ChatRequest
     from tracerl.gateway.served import ServedModel
 
 __all__ = ["constrained", "literal_for", "request_grammar"]
@@ -73,10 +73,10 @@ def _tool_grammar(
     req: ChatRequest, tools: list[dict[str, Any]], fmt: ToolFormat, tokenizer: Any
 ) -> str | None:
     choice = req.tool_choice
-    if choice is None or isinstance(choice, str) and choice != "required":
-        return None
-    if not isinstance(choice, str):
+    if isinstance(choice, NamedToolChoice):
         tools = [t for t in tools if t["function"]["name"] == choice.function.name]
+    elif choice != "required":
+        return None
     parallel = req.parallel_tool_calls is not False
     return LLMatcher.grammar_from_lark(fmt.grammar(tools, literal_for(tokenizer), parallel))
 
