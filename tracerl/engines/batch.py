@@ -26,6 +26,7 @@ from pydantic import BaseModel, ConfigDict
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
+from tracerl.engines.constrained import Matcher, masked
 from tracerl.engines.scoring import effective_temperature, logprobs_at_temperature
 from tracerl.types import Generation, SamplingParams
 
@@ -103,7 +104,9 @@ class Row:
     completion_ids: list[int] = field(default_factory=list)
     """Tokens sampled so far."""
     logprobs: list[float] = field(default_factory=list)
-    """Their log-probs at the row's temperature."""
+    """Their log-probs at the row's temperature (under its grammar's mask, if any)."""
+    matcher: Matcher | None = None
+    """The request's grammar state, for a constrained request (constrained.py)."""
 
 
 @dataclass
@@ -173,8 +176,10 @@ def left_padded(prompts: list[list[int]], pad_id: int) -> tuple[torch.Tensor, to
 
 
 def sample(batch: Batch, logits_BV: torch.Tensor) -> None:
-    """Pick each row's next token with its own sampler; record it and its log-prob."""
+    """Pick each row's next token with its own sampler; record it and its log-prob. A
+    constrained row samples from, and records, its grammar-masked distribution."""
     rows = batch.rows
+    logits_BV = masked([r.matcher for r in rows], logits_BV)
     params = [r.request.params for r in rows]
     temperature_B = torch.tensor(
         [effective_temperature(p.temperature) for p in params], device=logits_BV.device
@@ -199,6 +204,8 @@ def sample(batch: Batch, logits_BV: torch.Tensor) -> None:
     for row, token, logp in zip(rows, token_B.tolist(), logp_B.tolist(), strict=True):
         row.completion_ids.append(token)
         row.logprobs.append(logp)
+        if row.matcher is not None:
+            row.matcher.advance(token)
 
 
 def select(batch: Batch, keep: list[int]) -> Batch:

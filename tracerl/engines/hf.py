@@ -49,6 +49,7 @@ from tracerl.engines.batch import (
     sample,
     select,
 )
+from tracerl.engines.constrained import Grammars, check_grammar
 from tracerl.types import Generation, SamplingParams
 
 if TYPE_CHECKING:
@@ -59,6 +60,9 @@ __all__ = ["EngineStats", "HFEngine"]
 
 class HFEngine:
     """A transformers causal LM served with continuous batching (see the module docstring)."""
+
+    constrains_decoding = True
+    """It enforces a ConstrainedParams grammar (and records the masked log-probs)."""
 
     def __init__(
         self,
@@ -90,6 +94,7 @@ class HFEngine:
         # The worker decodes stop-string tails with its own copy: a fast tokenizer used from
         # two threads at once can fail with "Already borrowed".
         self._stop_decoder = copy.deepcopy(self.tokenizer)
+        self._grammars = Grammars(self._stop_decoder, self.eos_token_ids, self._vocab_size)
         self._rng = torch.Generator().manual_seed(seed)
         self._queue: queue.SimpleQueue[Request | None] = queue.SimpleQueue()
         self._waiting: list[Request] = []
@@ -167,6 +172,7 @@ class HFEngine:
         if self._closed:
             raise RuntimeError("engine is closed")
         check_request(prompt_ids, params, self.max_context, self._vocab_size)
+        check_grammar(params)
         loop = asyncio.get_running_loop()
         tokens: asyncio.Queue | None = asyncio.Queue() if streaming else None
         request = Request(list(prompt_ids), params, loop.create_future(), loop, tokens)
@@ -268,7 +274,9 @@ class HFEngine:
         if seed is None:
             seed = int(torch.randint(0, 2**62, (1,), generator=self._rng))
         generator = torch.Generator(device=self.device).manual_seed(seed)
-        return new_row(request, generator, self._serving_version, self.max_context)
+        row = new_row(request, generator, self._serving_version, self.max_context)
+        row.matcher = self._grammars.matcher(request.params)
+        return row
 
     def _prefill(self, rows: list[Row]) -> Batch:
         """Run the left-padded prompts through the model and sample each row's first token."""

@@ -3,8 +3,10 @@
 A Messages call is served as a chat call: `system` (a string or text blocks) becomes the
 system message, an assistant's `text` and `tool_use` blocks one assistant message with tool
 calls, a user's `tool_result` blocks tool messages and its `text` blocks user messages;
-`thinking` blocks are dropped (the served models write none). So an agent's next turn
-extends its last one exactly, and token-in/token-out reuses its ids. Each call is one span.
+`thinking` blocks are dropped (the model's reasoning is in the span's ids already, and is
+not part of the content the template re-renders). So an agent's next turn extends its last
+one exactly, and token-in/token-out reuses its ids. Each call is one span. A model's
+reasoning (`<think>...</think>`) comes back as a `thinking` block before its text.
 
 What clients send beyond that is accepted: the x-api-key / Bearer key (not checked here),
 anthropic-version and anthropic-beta headers, ?beta=true, cache_control, thinking,
@@ -28,7 +30,7 @@ from tracerl.gateway.chat import ChatRequest, wire_message
 from tracerl.gateway.core import Gateway
 from tracerl.gateway.errors import GatewayError, invalid
 from tracerl.gateway.served import Choice, Pending, Served
-from tracerl.gateway.streaming import sse, stream_call
+from tracerl.gateway.streaming import Thought, sse, stream_call
 from tracerl.gateway.wire import (
     MODEL_CALL_DOC,
     REPLY_DOC,
@@ -72,7 +74,8 @@ class MessagesRequest(BaseModel):
     tools: list[dict[str, Any]] | None = None
     """Tools ({"name", "description", "input_schema"}); server tools are dropped."""
     tool_choice: dict[str, Any] | None = None
-    """Recorded; not enforced."""
+    """{"type": "any"} or {"type": "tool", "name": ...} forces a call where decoding is
+    constrained; "auto" and "none" force nothing."""
     stop_sequences: list[str] | None = None
     """Strings that end the completion (stop_reason "stop_sequence")."""
     temperature: float | None = Field(default=None, ge=0.0, le=2.0)
@@ -157,6 +160,7 @@ def _chat(req: MessagesRequest) -> ChatRequest:
         "max_tokens": req.max_tokens,
         "temperature": 1.0 if req.temperature is None else req.temperature,
         "top_p": 1.0 if req.top_p is None else req.top_p,
+        "tool_choice": _tool_choice(req.tool_choice),
     }
     try:
         chat = ChatRequest.model_validate(body)
@@ -164,6 +168,16 @@ def _chat(req: MessagesRequest) -> ChatRequest:
         raise invalid(e) from None
     chat.stop = [s for s in req.stop_sequences or [] if s] or None  # any number of them
     return chat
+
+
+def _tool_choice(choice: dict[str, Any] | None) -> str | dict[str, Any] | None:
+    """The chat form of a Messages tool_choice."""
+    kind = (choice or {}).get("type")
+    if kind == "any":
+        return "required"
+    if kind == "tool":
+        return {"type": "function", "function": {"name": (choice or {}).get("name")}}
+    return None
 
 
 def _system(system: str | list[dict[str, Any]] | None) -> str:
@@ -290,41 +304,55 @@ def _head(p: Pending, content: list[dict[str, Any]], output_tokens: int) -> dict
     }
 
 
+def _thinking(text: str) -> dict[str, Any]:
+    """A thinking block with the model's own reasoning (unsigned: nothing to verify)."""
+    return {"type": "thinking", "thinking": text, "signature": ""}
+
+
 def _body(p: Pending, served: Served) -> dict[str, Any]:
     c = served.choices[0]
+    thinking = [_thinking(c.reply.reasoning)] if c.reply.reasoning else []
     text = [{"type": "text", "text": c.reply.content}] if c.reply.content else []
-    body = _head(p, text + _tool_uses(c), served.completion_tokens)
+    body = _head(p, thinking + text + _tool_uses(c), served.completion_tokens)
     body["stop_reason"], body["stop_sequence"] = _stop(c)
     return body
 
 
 async def _events(gateway: Gateway, p: Pending) -> AsyncIterator[bytes]:
-    """message_start, ping, the text block as it is sampled, each tool_use block,
-    message_delta (stop reason, usage), message_stop; an error event if sampling fails."""
+    """message_start, ping, the thinking block once the reasoning closes, the text block as
+    it is sampled, each tool_use block, message_delta (stop reason, usage), message_stop; an
+    error event if sampling fails."""
 
     def event(kind: str, **fields: Any) -> bytes:
         return sse({"type": kind, **fields}, kind)
 
     yield event("message_start", message=_head(p, [], 0))
     yield event("ping")
-    index, served = 0, None
+    index, text_at, served = 0, None, None  # the next block's index; the text block's
     try:
         async for piece in stream_call(gateway, p):
-            if not isinstance(piece, str):
+            if isinstance(piece, Served):
                 served = piece
                 break
-            if index == 0:
-                yield event(
-                    "content_block_start", index=0, content_block={"type": "text", "text": ""}
-                )
-                index = 1
-            yield event("content_block_delta", index=0, delta={"type": "text_delta", "text": piece})
+            if isinstance(piece, Thought):  # it closes before any text: the first block
+                yield event("content_block_start", index=index, content_block=_thinking(""))
+                delta = {"type": "thinking_delta", "thinking": piece.text}
+                yield event("content_block_delta", index=index, delta=delta)
+                yield event("content_block_stop", index=index)
+                index += 1
+                continue
+            if text_at is None:
+                text_at, index = index, index + 1
+                block = {"type": "text", "text": ""}
+                yield event("content_block_start", index=text_at, content_block=block)
+            delta = {"type": "text_delta", "text": piece}
+            yield event("content_block_delta", index=text_at, delta=delta)
     except GatewayError as e:
         yield event("error", error=error_body(e)["error"])
         return
     assert served is not None, "stream_call ends with the Served"
-    if index == 1:
-        yield event("content_block_stop", index=0)
+    if text_at is not None:
+        yield event("content_block_stop", index=text_at)
     c = served.choices[0]
     for block in _tool_uses(c):
         yield event("content_block_start", index=index, content_block={**block, "input": {}})

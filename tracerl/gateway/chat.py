@@ -12,7 +12,10 @@ import json
 import re
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, JsonValue, field_validator
+from pydantic import BaseModel, ConfigDict, Field, JsonValue, field_validator, model_validator
+
+from tracerl.gateway import toolcalls
+from tracerl.gateway.toolcalls import ParsedReply
 
 Message = dict[str, JsonValue]
 """A canonical chat message: role, content (str), optional tool_calls / tool_call_id / name."""
@@ -61,6 +64,50 @@ class ToolSpec(BaseModel):
     """The function."""
 
 
+class ToolName(BaseModel):
+    """The `function` of a named tool choice."""
+
+    name: str
+    """The function that must be called."""
+
+
+class NamedToolChoice(BaseModel):
+    """tool_choice {"type": "function", "function": {"name": ...}}."""
+
+    type: Literal["function"]
+    """Always "function"."""
+    function: ToolName
+    """Which one."""
+
+
+class JsonSchemaFormat(BaseModel):
+    """The `json_schema` of a response_format."""
+
+    model_config = ConfigDict(extra="allow")
+
+    name: str = "response"
+    """A label for the schema."""
+    schema_: dict[str, JsonValue] = Field(default_factory=dict, alias="schema")
+    """The JSON Schema the reply must satisfy."""
+    strict: bool | None = None
+    """Accepted; the schema is always enforced where decoding is constrained."""
+
+
+class ResponseFormat(BaseModel):
+    """response_format: text, any JSON object, or JSON of a schema."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    """What the reply must be."""
+    json_schema: JsonSchemaFormat | None = None
+    """The schema, for type json_schema."""
+
+    @model_validator(mode="after")
+    def _schema_given(self) -> ResponseFormat:
+        if self.type == "json_schema" and self.json_schema is None:
+            raise ValueError("response_format json_schema needs a json_schema")
+        return self
+
+
 class ChatRequest(BaseModel):
     """A /v1/chat/completions request; unknown OpenAI fields are accepted and ignored."""
 
@@ -94,6 +141,30 @@ class ChatRequest(BaseModel):
     """Answer as server-sent events."""
     stream_options: dict[str, JsonValue] | None = None
     """{"include_usage": true} adds a final usage chunk."""
+    tool_choice: (
+        Literal["none", "auto", "required"] | NamedToolChoice | dict[str, JsonValue] | None
+    ) = Field(default=None, union_mode="left_to_right")
+    """"required" or a named function forces a tool call (enforced by engines that
+    constrain decoding, the transformers one); "none", "auto" and choices of other types
+    (allowed_tools, custom) constrain nothing."""
+    parallel_tool_calls: bool | None = None
+    """False: a forced tool call is exactly one call (default: one or more)."""
+    response_format: ResponseFormat | None = None
+    """{"type": "json_object"} or {"type": "json_schema", "json_schema": {"schema": ...}}:
+    the reply is valid JSON (of that schema) where decoding is constrained."""
+
+    @model_validator(mode="after")
+    def _choice_names_a_tool(self) -> ChatRequest:
+        names = {t.function.name for t in self.tools or []}
+        if isinstance(self.tool_choice, dict) and self.tool_choice.get("type") == "function":
+            raise ValueError("tool_choice of type 'function' needs function.name")
+        if self.tool_choice == "required" and not names:
+            raise ValueError("tool_choice 'required' needs tools")
+        if isinstance(self.tool_choice, NamedToolChoice):
+            name = self.tool_choice.function.name
+            if name not in names:
+                raise ValueError(f"tool_choice names {name!r}, which is not among the tools")
+        return self
 
     @field_validator("stop")
     @classmethod
@@ -237,61 +308,17 @@ def same_turn(returned: Message, echoed: Message) -> bool:
     )
 
 
-_CALL = re.compile(r"<tool_call>(.*?)</tool_call>", re.DOTALL)
-
-
-class ParsedReply(BaseModel):
-    """The model's text split into OpenAI message parts."""
-
-    content: str
-    """Text outside tool calls, stripped."""
-    tool_calls: list[dict[str, JsonValue]]
-    """Calls in canonical form (arguments as dicts); [] when none parsed."""
-
-
 def parse_reply(text: str, tools_given: bool) -> ParsedReply:
-    """Split `<tool_call>{"name": ..., "arguments": {...}}</tool_call>` blocks out of text.
-
-    This is the Hermes/Qwen convention the tiny model is trained on. A block that is not
-    valid JSON of that shape is left in the content: the agent sees what the model wrote.
-    """
-    if not tools_given or "<tool_call>" not in text:
-        return ParsedReply(content=text.strip(), tool_calls=[])
-    calls: list[dict[str, JsonValue]] = []
-    kept: list[str] = []
-    last = 0
-    for match in _CALL.finditer(text):
-        call = _parse_call(match.group(1))
-        if call is None:
-            continue
-        kept.append(text[last : match.start()])
-        last = match.end()
-        calls.append(call)
-    kept.append(text[last:])
-    return ParsedReply(content="".join(kept).strip(), tool_calls=calls)
-
-
-def _parse_call(body: str) -> dict[str, JsonValue] | None:
-    try:
-        value = json.loads(body)
-    except json.JSONDecodeError:
-        return None
-    if not isinstance(value, dict) or not isinstance(value.get("name"), str):
-        return None
-    args = value.get("arguments", {})
-    if isinstance(args, str):
-        try:
-            args = json.loads(args)
-        except json.JSONDecodeError:
-            return None
-    if not isinstance(args, dict):
-        return None
-    return {"name": value["name"], "arguments": args}
+    """Split Hermes `<tool_call>{"name": ..., "arguments": {...}}</tool_call>` blocks out of
+    text (the tiny model's convention); served models pick their own format (toolcalls)."""
+    return toolcalls.parse_reply(text, [] if tools_given else None)
 
 
 def wire_message(reply: ParsedReply, call_ids: list[str]) -> dict[str, Any]:
     """The assistant message as OpenAI returns it (arguments as JSON strings)."""
     msg: dict[str, Any] = {"role": "assistant", "content": reply.content or None}
+    if reply.reasoning:
+        msg["reasoning_content"] = reply.reasoning
     if reply.tool_calls:
         msg["tool_calls"] = [
             {

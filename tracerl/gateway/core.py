@@ -32,13 +32,14 @@ from tracerl.gateway.chat import (
     ToolSpec,
     canonical_reply,
     normalize_message,
-    parse_reply,
 )
 from tracerl.gateway.errors import GatewayError, invalid
 from tracerl.gateway.record import Call, SpanRecorder
 from tracerl.gateway.remote import RemoteError, RemoteModel
 from tracerl.gateway.served import Choice, HistoryKey, Pending, Served, ServedModel, decode
 from tracerl.gateway.tito import History, Prompt, Turn
+from tracerl.gateway.toolcalls import parse_reply
+from tracerl.gateway.toolcalls.enforce import constrained
 from tracerl.store import Store
 from tracerl.types import Generation, Reward, Rollout, SamplingParams
 
@@ -154,6 +155,7 @@ class Gateway:
         prev = self._histories.get(key) if key else None
         messages, tools, prompt = await self._tokenize(_chat_prompt, served, req, prev)
         params = self._params(served, len(prompt.ids), req.token_limit(), req)
+        params = await self._tokenize(constrained, served, req, tools, params)
         return Pending(
             served, req.model, rollout, parent_id, key, messages, tools, prompt, params, req.n,
             "chatcmpl", uuid.uuid4().hex,
@@ -175,14 +177,15 @@ class Gateway:
         else:
             gens = await self._sample(p.served, p.prompt.ids, p.params, p.n, route)
         latency = time.perf_counter() - started
-        tools = p.tools is not None
-        choices = [self._choice(p.served, i, g, tools) for i, g in enumerate(gens)]
+        chat = p.kind == "chatcmpl"
+        choices = [self._choice(p.served, i, g, p.tools, chat) for i, g in enumerate(gens)]
         span_id = p.span_id
         if p.rollout is not None:
             if p.key is not None:
                 self._remember(p.key, p.messages, p.tools, p.prompt, choices)
             role = p.served.name
-            call = Call(span_id, role, p.parent_id, p.messages, p.prompt, p.params, latency)
+            eos = p.served.engine.eos_token_ids
+            call = Call(span_id, role, p.parent_id, p.messages, p.prompt, p.params, latency, eos)
             await self.recorder.record(p.rollout, call, choices)
         return Served(
             id=f"{p.kind}-{span_id}",
@@ -305,9 +308,12 @@ class Gateway:
         except EngineUnavailable as e:  # a replica died: the agent may retry shortly
             raise GatewayError(503, str(e), "server_error", code="engine_unavailable") from None
 
-    def _choice(self, served: ServedModel, index: int, gen: Generation, tools: bool) -> Choice:
+    def _choice(
+        self, served: ServedModel, index: int, gen: Generation, tools: list[dict] | None, chat: bool
+    ) -> Choice:
         text = served.text(gen)
-        reply = parse_reply(text, tools)
+        reasoning = served.reasoning if chat else None  # a raw completion's text stays whole
+        reply = parse_reply(text, tools, served.tool_format, reasoning)
         call_ids = [f"call_{uuid.uuid4().hex[:16]}" for _ in reply.tool_calls]
         finish = "tool_calls" if reply.tool_calls else gen.finish_reason
         return Choice(index, gen, text, reply, call_ids, finish)

@@ -54,6 +54,8 @@ class Call:
     """How the choices were sampled."""
     latency: float
     """Seconds the engine took."""
+    eos_token_ids: list[int] = field(default_factory=list)
+    """The engine's end tokens (what a grammar allows once complete, for re-scoring)."""
 
 
 @dataclass
@@ -209,7 +211,7 @@ def _span(rollout: Rollout, call: Call, c: Choice, seq: int) -> Span:
         completion_ids=c.gen.completion_ids,
         logprobs=c.gen.logprobs,
         messages=call.messages,
-        response={"message": wire_message(c.reply, c.call_ids), "finish_reason": c.finish_reason},
+        response=_response(call, c),
         finish_reason=c.finish_reason,
         temperature=call.params.temperature,
         prefix_reused=call.prompt.reused,
@@ -218,6 +220,19 @@ def _span(rollout: Rollout, call: Call, c: Choice, seq: int) -> Span:
         latency_s=call.latency,
         created_at=time.time(),
     )
+
+
+def _response(call: Call, c: Choice) -> dict[str, Any]:
+    """The reply as the span keeps it; a constrained call also keeps its grammar, since its
+    log-probs are those of the grammar-masked distribution (engines.scoring re-applies it)."""
+    response: dict[str, Any] = {
+        "message": wire_message(c.reply, c.call_ids),
+        "finish_reason": c.finish_reason,
+    }
+    grammar = getattr(call.params, "grammar", None)
+    if grammar:
+        response["constraint"] = {"grammar": grammar, "eos_token_ids": call.eos_token_ids}
+    return response
 
 
 def _text_span(rollout: Rollout, call: Call, i: int, choice: dict[str, Any], seq: int) -> Span:

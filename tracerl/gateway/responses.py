@@ -3,7 +3,8 @@
 A Responses call is served as a chat call: `instructions` and the `input` items become the
 chat template's messages (a `message` item, the assistant's `function_call` items merged
 into one assistant message with tool calls, `function_call_output` items as tool messages,
-`reasoning` items dropped: the served models write none). So a Responses agent's second
+`reasoning` items dropped: a model's reasoning is in the span's ids already, and not part
+of the content the template re-renders). So a Responses agent's second
 turn extends its first exactly as a chat agent's does, and token-in/token-out reuses the
 first turn's ids. Each call is one span.
 
@@ -18,10 +19,7 @@ are accepted and ignored.
 from __future__ import annotations
 
 import logging
-import time
-import uuid
 from collections import OrderedDict
-from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -31,8 +29,8 @@ from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError
 from tracerl.gateway.chat import ChatRequest, wire_message
 from tracerl.gateway.core import Gateway
 from tracerl.gateway.errors import GatewayError, invalid
-from tracerl.gateway.served import Choice, Pending, Served
-from tracerl.gateway.streaming import sse, stream_call
+from tracerl.gateway.responses_out import Keep, body, events, output
+from tracerl.gateway.served import Served
 from tracerl.gateway.wire import (
     MODEL_CALL_DOC,
     REPLY_DOC,
@@ -69,7 +67,8 @@ class ResponsesRequest(BaseModel):
     """Function tools ({"type": "function", "name", "parameters", ...}); hosted tools are
     dropped with a warning."""
     tool_choice: str | dict[str, Any] | None = None
-    """Recorded and echoed; not enforced."""
+    """"required" or {"type": "function", "name": ...} forces a call where decoding is
+    constrained; echoed."""
     parallel_tool_calls: bool | None = None
     """Echoed."""
     max_output_tokens: int | None = Field(default=None, ge=1)
@@ -79,7 +78,8 @@ class ResponsesRequest(BaseModel):
     top_p: float | None = Field(default=None, gt=0.0, le=1.0)
     """Nucleus mass (default 1)."""
     text: dict[str, Any] | None = None
-    """Output format; accepted and echoed (the reply is plain text)."""
+    """{"format": {"type": "json_schema", "schema": ...}} or json_object: the reply is JSON
+    (of the schema) where decoding is constrained; echoed."""
     store: bool | None = None
     """Keep the response for previous_response_id and GET (default true)."""
     previous_response_id: str | None = None
@@ -113,12 +113,12 @@ def register_responses(app: FastAPI, gateway: Gateway) -> None:
         p = await gateway.open_chat(chat_req, rollout_of(request, rollout_id), parent_of(request))
         keep = _keeper(stored, req, messages)
         if req.stream:
-            events = _events(gateway, p, req, keep)
-            return StreamingResponse(events, media_type="text/event-stream")
+            stream = events(gateway, p, req, keep)
+            return StreamingResponse(stream, media_type="text/event-stream")
         served = await gateway.run(p)
-        body = _body(served, req, _output(served.choices[0]), "completed")
-        keep(served, body)
-        return json_response(body)
+        reply = body(served, req, output(served.choices[0]), "completed")
+        keep(served, reply)
+        return json_response(reply)
 
     async def retrieve(response_id: str, rollout_id: str | None = None) -> Response:
         found = stored.get(response_id)
@@ -150,9 +150,6 @@ def _previous(stored: OrderedDict[str, Stored], response_id: str | None) -> list
             param="previous_response_id",
         )
     return found.messages
-
-
-Keep = Callable[[Served, dict[str, Any]], None]
 
 
 def _keeper(
@@ -190,11 +187,31 @@ def _chat_request(
         "max_completion_tokens": req.max_output_tokens,
         "temperature": 1.0 if req.temperature is None else req.temperature,
         "top_p": 1.0 if req.top_p is None else req.top_p,
+        "tool_choice": _tool_choice(req.tool_choice),
+        "response_format": _response_format(req.text),
     }
     try:
         return ChatRequest.model_validate(body), messages
     except ValidationError as e:
         raise invalid(e) from None
+
+
+def _tool_choice(choice: str | dict[str, Any] | None) -> str | dict[str, Any] | None:
+    """The chat form of a Responses tool_choice (hosted-tool choices force nothing)."""
+    if isinstance(choice, dict):
+        if choice.get("type") != "function":
+            return None
+        return {"type": "function", "function": {"name": choice.get("name")}}
+    return choice
+
+
+def _response_format(text: dict[str, Any] | None) -> dict[str, Any] | None:
+    """The chat response_format of a Responses `text.format`."""
+    fmt = (text or {}).get("format")
+    if not isinstance(fmt, dict) or fmt.get("type") != "json_schema":
+        return fmt if isinstance(fmt, dict) else None
+    fields = {k: fmt[k] for k in ("name", "schema", "strict") if k in fmt}
+    return {"type": "json_schema", "json_schema": fields}
 
 
 def _messages(items: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -257,155 +274,3 @@ def _function_tools(tools: list[dict[str, Any]]) -> list[dict[str, Any]]:
         fn = {k: tool[k] for k in ("name", "description", "parameters") if tool.get(k) is not None}
         out.append({"type": "function", "function": fn})
     return out
-
-
-# -- response: choice -> output items -------------------------------------------------------
-
-
-def _output(c: Choice) -> list[dict[str, Any]]:
-    """The output items of a finished choice: its message (if it wrote text), its calls."""
-    status = "incomplete" if c.finish_reason == "length" else "completed"
-    items = [_message(c.reply.content, status)] if c.reply.content else []
-    return items + [_call(call_id, call, "completed") for call_id, call in _calls(c)]
-
-
-def _calls(c: Choice) -> list[tuple[str, dict[str, Any]]]:
-    return list(
-        zip(c.call_ids, wire_message(c.reply, c.call_ids).get("tool_calls", []), strict=True)
-    )
-
-
-def _message(text: str, status: str, item_id: str | None = None) -> dict[str, Any]:
-    return {
-        "id": item_id or f"msg_{uuid.uuid4().hex}",
-        "type": "message",
-        "role": "assistant",
-        "status": status,
-        "content": [_part(text)] if status != "in_progress" else [],
-    }
-
-
-def _part(text: str) -> dict[str, Any]:
-    return {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
-
-
-def _call(call_id: str, call: dict[str, Any], status: str) -> dict[str, Any]:
-    return {
-        "id": f"fc_{call_id.removeprefix('call_')}",
-        "type": "function_call",
-        "call_id": call_id,
-        "name": call["function"]["name"],
-        "arguments": call["function"]["arguments"] if status != "in_progress" else "",
-        "status": status,
-    }
-
-
-def _body(
-    served: Served | None, req: ResponsesRequest, output: list[dict[str, Any]], status: str,
-    p: Pending | None = None,
-) -> dict[str, Any]:  # fmt: skip
-    """The response object (in progress while streaming: no usage yet)."""
-    span_id = served.span_id if served else p.span_id if p else ""
-    usage = None
-    if served is not None:
-        usage = {
-            "input_tokens": served.prompt_tokens,
-            "input_tokens_details": {"cached_tokens": 0},
-            "output_tokens": served.completion_tokens,
-            "output_tokens_details": {"reasoning_tokens": 0},
-            "total_tokens": served.prompt_tokens + served.completion_tokens,
-        }
-        if served.choices[0].finish_reason == "length":
-            status = "incomplete"
-    return {
-        "id": f"resp_{span_id}",
-        "object": "response",
-        "created_at": served.created if served else int(time.time()),
-        "status": status,
-        "model": req.model,
-        "output": output,
-        "usage": usage,
-        "error": None,
-        "incomplete_details": {"reason": "max_output_tokens"} if status == "incomplete" else None,
-        "instructions": req.instructions,
-        "metadata": req.metadata or {},
-        "parallel_tool_calls": True if req.parallel_tool_calls is None else req.parallel_tool_calls,
-        "temperature": 1.0 if req.temperature is None else req.temperature,
-        "top_p": 1.0 if req.top_p is None else req.top_p,
-        "tool_choice": req.tool_choice or "auto",
-        "tools": [t for t in req.tools or [] if t.get("type") == "function"],
-        "max_output_tokens": req.max_output_tokens,
-        "previous_response_id": req.previous_response_id,
-        "store": req.store is not False,
-        "text": req.text or {"format": {"type": "text"}},
-        "truncation": "disabled",
-    }
-
-
-# -- streaming --------------------------------------------------------------------------------
-
-
-class _Events:
-    """Numbers a response's events (sequence_number) and writes them as SSE."""
-
-    def __init__(self) -> None:
-        self.seq = 0
-
-    def __call__(self, kind: str, **fields: Any) -> bytes:
-        body = {"type": kind, "sequence_number": self.seq, **fields}
-        self.seq += 1
-        return sse(body, kind)
-
-
-async def _events(
-    gateway: Gateway, p: Pending, req: ResponsesRequest, keep: Keep
-) -> AsyncIterator[bytes]:
-    """created, in_progress, the message's text as it is sampled, each call, completed."""
-    event = _Events()
-    yield event("response.created", response=_body(None, req, [], "in_progress", p))
-    yield event("response.in_progress", response=_body(None, req, [], "in_progress", p))
-    msg_id, text, served = f"msg_{uuid.uuid4().hex}", "", None
-    where = {"item_id": msg_id, "output_index": 0, "content_index": 0}
-    async for piece in stream_call(gateway, p):
-        if not isinstance(piece, str):
-            served = piece
-            break
-        if not text:  # the message item opens with its first piece of text
-            yield event(
-                "response.output_item.added",
-                output_index=0,
-                item=_message("", "in_progress", msg_id),
-            )
-            yield event("response.content_part.added", part=_part(""), **where)
-        text += piece
-        yield event("response.output_text.delta", delta=piece, logprobs=[], **where)
-    assert served is not None, "stream_call ends with the Served"
-    c = served.choices[0]
-    output: list[dict[str, Any]] = []
-    if text:
-        status = "incomplete" if c.finish_reason == "length" else "completed"
-        yield event("response.output_text.done", text=text, logprobs=[], **where)
-        yield event("response.content_part.done", part=_part(text), **where)
-        output.append(_message(text, status, msg_id))
-        yield event("response.output_item.done", output_index=0, item=output[-1])
-    for call_id, call in _calls(c):
-        index, done = len(output), _call(call_id, call, "completed")
-        yield event(
-            "response.output_item.added",
-            output_index=index,
-            item=_call(call_id, call, "in_progress"),
-        )
-        at = {"item_id": done["id"], "output_index": index}
-        yield event("response.function_call_arguments.delta", delta=done["arguments"], **at)
-        yield event(
-            "response.function_call_arguments.done",
-            arguments=done["arguments"],
-            name=done["name"],
-            **at,
-        )
-        output.append(done)
-        yield event("response.output_item.done", output_index=index, item=done)
-    body = _body(served, req, output, "completed")
-    keep(served, body)
-    kind = "response.incomplete" if body["status"] == "incomplete" else "response.completed"
-    yield event(kind, response=body)

@@ -15,6 +15,7 @@ from transformers import PreTrainedTokenizerBase
 from tracerl.engines.base import Engine
 from tracerl.gateway.chat import Message, ParsedReply
 from tracerl.gateway.tito import Prompt, PromptBuilder
+from tracerl.gateway.toolcalls import Reasoning, ToolFormat, detect_reasoning, tool_format
 from tracerl.types import Generation, Rollout, SamplingParams
 
 __all__ = ["Choice", "Pending", "Served", "ServedModel", "decode"]
@@ -35,16 +36,41 @@ class ServedModel:
     """Tokenizer with the chat template of the engine's model."""
     default_max_tokens: int = 512
     """max_tokens when a request gives none (still capped by the context)."""
+    tool_parser: str | None = None
+    """Its tool-call format (hermes, qwen3_coder, llama3, mistral); None: read off the chat
+    template (toolcalls.detect)."""
+    thinking: tuple[str, str] | None = None
+    """Its reasoning markers (start, end); None: `<think>`/`</think>` when the chat template
+    knows them, else no reasoning is split off."""
     prompts: PromptBuilder = field(init=False)
     """Renders and tokenizes this model's prompts (used on the gateway's tokenizer thread)."""
+    tool_format: ToolFormat = field(init=False)
+    """How its replies' tool calls are parsed and forced."""
+    reasoning: Reasoning | None = field(init=False)
+    """How its replies' reasoning is split off; None: it writes none."""
     _special: re.Pattern[str] | None = field(init=False, default=None)
 
     def __post_init__(self) -> None:
         self.prompts = PromptBuilder(self.tokenizer)
-        # Special tokens other than the tool-call markers never reach the agent's text.
-        hidden = [t for t in self.tokenizer.all_special_tokens if "tool_call" not in t]
+        template = self.tokenizer.chat_template
+        self.tool_format = tool_format(self.tool_parser, template)
+        self.reasoning = self._reasoning(template)
+        # Special tokens other than the format's markers never reach the agent's text.
+        keep = set(self.tool_format.markers)
+        if self.reasoning is not None:
+            keep |= {self.reasoning.start, self.reasoning.end}
+        hidden = [t for t in self.tokenizer.all_special_tokens if t not in keep]
         if hidden:
             self._special = re.compile("|".join(re.escape(t) for t in hidden))
+
+    def _reasoning(self, template: object) -> Reasoning | None:
+        if self.thinking is not None:
+            return Reasoning(*self.thinking)
+        try:
+            opening = self.prompts.render([{"role": "user", "content": "x"}], None, True)
+        except Exception:  # a template that cannot render a bare user turn opens nothing
+            opening = ""
+        return detect_reasoning(template, opening)
 
     def text(self, gen: Generation) -> str:
         """The completion's text as the agent sees it (no end token, no stop string)."""

@@ -9,7 +9,10 @@ finished reply would not start with:
 - text that could be the start of a stop string waits until it cannot (a stop string
   and what follows it never reach the agent);
 - special tokens the agent never sees (the end token) are dropped;
-- with tools, text stops at a tool-call marker: calls are parsed once the completion ends;
+- with tools, text stops where the model's format opens a call (`<tool_call>`,
+  `[TOOL_CALLS]`, ...): calls are parsed once the completion ends;
+- a model's reasoning (`<think>...</think>`) is no content: it waits until it closes and is
+  then handed out whole, as a `Thought`, before any content;
 - a reply's leading and trailing whitespace waits (the finished reply is stripped).
 
 When the completion ends, `finish` gives whatever of the reply was not sent yet. The span
@@ -22,6 +25,7 @@ import asyncio
 import logging
 import time
 from collections.abc import AsyncIterator
+from dataclasses import dataclass
 from typing import Any
 
 import orjson
@@ -29,14 +33,28 @@ import orjson
 from tracerl.gateway.chat import wire_message
 from tracerl.gateway.core import Gateway
 from tracerl.gateway.served import Choice, Pending, Served, ServedModel, decode
+from tracerl.gateway.toolcalls.reasoning import split_reasoning
 
-__all__ = ["TextDeltas", "chat_events", "completion_events", "sse", "stream_call", "usage_of"]
+__all__ = [
+    "TextDeltas",
+    "Thought",
+    "chat_events",
+    "completion_events",
+    "sse",
+    "stream_call",
+    "usage_of",
+]
 
 log = logging.getLogger(__name__)
 
-TOOL_CALL_START = "<tool_call>"
-"""Where a reply's content ends and a tool call begins (the Hermes convention parse_reply
-reads)."""
+
+@dataclass(frozen=True)
+class Thought:
+    """A streamed reply's reasoning, whole, once it has closed (before any content)."""
+
+    text: str
+    """The reasoning, stripped (what the reply's `reasoning` holds)."""
+
 
 _RUNNING: set[asyncio.Task[Served]] = set()
 """Streamed calls in flight, held until done (a cancelled one until its cancellation lands)."""
@@ -56,6 +74,10 @@ class TextDeltas:
         """Decoded text of the ids so far, special tokens included."""
         self.sent = ""
         """What has been handed out."""
+        self.thought: str | None = None
+        """The reasoning, once it has closed; None before (or when there is none)."""
+        self.thought_sent = False
+        """Whether `take_thought` has handed it out."""
         self._prefix = 0  # ids[_prefix:_read] decode to raw's last piece: the decoding context
         self._read = 0
 
@@ -69,6 +91,13 @@ class TextDeltas:
         self.raw += window[len(seen) :]
         self._prefix, self._read = self._read, len(self.ids)
         return self._advance(self._safe())
+
+    def take_thought(self) -> str | None:
+        """The reasoning, the first time it is asked for once it has closed."""
+        if self.thought is None or self.thought_sent:
+            return None
+        self.thought_sent = True
+        return self.thought
 
     def finish(self, final: str) -> str:
         """What of the finished text `final` was not sent yet."""
@@ -90,10 +119,29 @@ class TextDeltas:
         text = self.served.hide(raw[:cut])
         if not self.strip:
             return text
+        text = self._past_reasoning(text)
         if self.tools:
-            at = text.find(TOOL_CALL_START)
-            text = text[:at] if at >= 0 else text[: len(text) - _partial(text, [TOOL_CALL_START])]
+            opens = list(self.served.tool_format.opens)
+            hits = [at for at in (text.find(o) for o in opens) if at >= 0]
+            text = text[: min(hits)] if hits else text[: len(text) - _partial(text, opens)]
         return text.strip()
+
+    def _past_reasoning(self, text: str) -> str:
+        """The text after the reasoning; '' while the reasoning may still be open."""
+        markers = self.served.reasoning
+        if markers is None:
+            return text
+        head = text.lstrip()
+        if not head or markers.start.startswith(head) and head != markers.start:
+            return ""  # it may yet open a reasoning
+        if not head.startswith(markers.start) and not markers.open_in_prompt:
+            return text
+        thought, rest = split_reasoning(text, markers)
+        if markers.end not in text:
+            return ""
+        if self.thought is None:
+            self.thought = thought
+        return rest
 
     def _advance(self, safe: str) -> str:
         if not safe.startswith(self.sent) or len(safe) == len(self.sent):
@@ -115,16 +163,19 @@ def _partial(text: str, marks: list[str]) -> int:
 
 async def stream_call(
     gateway: Gateway, p: Pending, strip: bool = True
-) -> AsyncIterator[str | Served]:
-    """Run a checked one-choice call: pieces of its text as they are sampled, then the
-    Served (whose first choice's text the pieces add up to). If the consumer stops early
-    (the client went away), sampling is cancelled and nothing is recorded, as for a plain
-    call whose client disconnects."""
+) -> AsyncIterator[str | Thought | Served]:
+    """Run a checked one-choice call: pieces of its text as they are sampled (its Thought
+    first, if it reasons), then the Served (whose first choice's content the pieces add up
+    to). If the consumer stops early (the client went away), sampling is cancelled and
+    nothing is recorded, as for a plain call whose client disconnects."""
     text = TextDeltas(p.served, p.params.stop, p.tools is not None, strip)
-    pieces: asyncio.Queue[str | asyncio.Task[Served]] = asyncio.Queue()
+    pieces: asyncio.Queue[str | Thought | asyncio.Task[Served]] = asyncio.Queue()
 
     def on_tokens(ids: list[int]) -> None:
         piece = text.push(ids)
+        thought = text.take_thought()
+        if thought is not None:
+            pieces.put_nowait(Thought(thought))
         if piece:
             pieces.put_nowait(piece)
 
@@ -135,11 +186,13 @@ async def stream_call(
     try:
         while True:
             item = await pieces.get()
-            if isinstance(item, str):
+            if not isinstance(item, asyncio.Task):
                 yield item
                 continue
             served = item.result()
             c = served.choices[0]
+            if strip and c.reply.reasoning and not text.thought_sent:
+                yield Thought(c.reply.reasoning)  # it never closed, or it closed at the end
             rest = text.finish(c.reply.content if strip else c.text)
             if rest:
                 yield rest
@@ -183,14 +236,19 @@ async def chat_events(gateway: Gateway, p: Pending, usage: bool) -> AsyncIterato
     if p.n == 1:
         yield chunk(0, {"role": "assistant", "content": ""})
         async for item in stream_call(gateway, p):
-            if isinstance(item, str):
+            if isinstance(item, Thought):
+                yield chunk(0, {"reasoning_content": item.text})
+            elif isinstance(item, str):
                 yield chunk(0, {"content": item})
             else:
                 served = item
     else:  # several choices: each sent whole once all are sampled
         served = await gateway.run(p)
         for c in served.choices:
-            yield chunk(c.index, {"role": "assistant", "content": c.reply.content})
+            delta = {"role": "assistant", "content": c.reply.content}
+            if c.reply.reasoning:
+                delta["reasoning_content"] = c.reply.reasoning
+            yield chunk(c.index, delta)
     assert served is not None, "stream_call ends with the Served"
     for c in served.choices:
         if c.reply.tool_calls:
@@ -222,10 +280,10 @@ async def completion_events(gateway: Gateway, p: Pending) -> AsyncIterator[bytes
     served: Served | None = None
     if p.n == 1:
         async for item in stream_call(gateway, p, strip=False):
-            if isinstance(item, str):
-                yield chunk(0, item)
-            else:
+            if isinstance(item, Served):
                 served = item
+            elif isinstance(item, str):
+                yield chunk(0, item)
     else:
         served = await gateway.run(p)
         for c in served.choices:
