@@ -38,6 +38,7 @@ from tracerl.gateway.errors import GatewayError, invalid
 from tracerl.gateway.record import Call, SpanRecorder
 from tracerl.gateway.remote import RemoteError, RemoteModel
 from tracerl.gateway.served import Choice, HistoryKey, Pending, Served, ServedModel, decode
+from tracerl.gateway.sessions import Record, Sessions
 from tracerl.gateway.tito import History, Prompt, Turn
 from tracerl.store import Store
 from tracerl.types import Generation, Reward, SamplingParams
@@ -71,6 +72,8 @@ class Gateway:
         remote: dict[str, RemoteModel] | None = None,
         aliases: dict[str, str] | None = None,
         default_model: str | None = None,
+        record: Record = "all",
+        session_idle_s: float = 300.0,
     ) -> None:
         self.store = store
         self.models = models
@@ -91,6 +94,12 @@ class Gateway:
         """Where store calls run, the span recorder's and the /store API's."""
         self._tokenizer_thread = ThreadPoolExecutor(1, "tracerl-tokenize")
         self.recorder = SpanRecorder(store, memory, self.store_executor)
+        self.sessions = (
+            Sessions(store, self.store_executor, session_idle_s, lease_s=3 * session_idle_s)
+            if store is not None and record == "all"
+            else None
+        )
+        """Where unattributed calls are recorded; None: they are refused (record="rollouts")."""
         # Per-rollout token histories, bounded: the oldest go first. A forgotten history
         # only costs a re-tokenization (recorded as a prefix break).
         self._histories: OrderedDict[HistoryKey, History] = OrderedDict()
@@ -102,7 +111,10 @@ class Gateway:
         return sorted([*self.models, *self.remote])
 
     def close(self) -> None:
-        """Stop the tokenizer and store threads (after the HTTP server has stopped)."""
+        """Finish open sessions, stop the tokenizer and store threads (after the HTTP server
+        has stopped)."""
+        if self.sessions is not None:
+            self.sessions.close()
         self._tokenizer_thread.shutdown(wait=True, cancel_futures=True)
         self.store_executor.shutdown(wait=True, cancel_futures=True)
 
