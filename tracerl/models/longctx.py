@@ -21,6 +21,7 @@ import random
 import shutil
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 from tracerl.models.sft import Demo, SftConfig, sft
 from tracerl.models.template import render_chat
@@ -75,7 +76,7 @@ _WORDS = [
 ]
 
 
-def _tool_schema(rng: random.Random) -> dict[str, object]:
+def _tool_schema(rng: random.Random) -> dict[str, Any]:
     """A function tool of the shape agent frameworks send (name, description, JSON schema)."""
     names = rng.sample(_WORDS, 3)
     props = {
@@ -102,8 +103,8 @@ def corpus(seed: int = 0) -> Iterator[str]:
     for _ in range(2000):
         tools = [_tool_schema(rng) for _ in range(3)]
         yield json.dumps(tools, indent=rng.choice([None, 2]))
-        call = {"name": tools[0]["function"]["name"], "arguments": {"path": "src/app.py"}}  # type: ignore[index]
-        messages = [
+        call = {"name": tools[0]["function"]["name"], "arguments": {"path": "src/app.py"}}
+        messages: list[dict[str, Any]] = [
             {"role": "system", "content": "You are a coding agent. Use the tools."},
             {"role": "user", "content": "Fix the failing test in src/app.py."},
             {"role": "assistant", "content": "", "tool_calls": [{"function": call}]},
@@ -123,13 +124,13 @@ def brief_demos(n: int, seed: int = 0) -> list[Demo]:
         user = (
             f"Please {rng.choice(_WORDS)} the {rng.choice(_WORDS)} in src/{rng.choice(_WORDS)}.py."
         )
-        messages: list[dict] = [
+        messages: list[dict[str, Any]] = [
             {"role": "system", "content": "You are a coding agent. Use the tools."},
             {"role": "user", "content": user},
         ]
         if rng.random() < 0.5:
-            args = {k: "src/app.py" for k in list(fn["parameters"]["properties"])[:1]}  # type: ignore[index]
-            call = {"type": "function", "function": {"name": fn["name"], "arguments": args}}  # type: ignore[index]
+            args = {k: "src/app.py" for k in list(fn["parameters"]["properties"])[:1]}
+            call = {"type": "function", "function": {"name": fn["name"], "arguments": args}}
             messages += [
                 {"role": "assistant", "content": "", "tool_calls": [call]},
                 {"role": "tool", "content": rng.choice(["ok", "0", "def main(): pass"])},
