@@ -1,7 +1,7 @@
 """The gateway's HTTP face: OpenAI-compatible routes, server-sent events, JSON errors.
 
-Routes exist twice: at /v1/... (the rollout comes from the X-Tracerl-Rollout header, or
-the call is served without recording) and at /rollouts/<id>/v1/..., so an agent is
+Routes exist twice: at /v1/... (the rollout comes from the X-Tracerl-Rollout header, else
+the call is recorded under its session's rollout: gateway/sessions.py) and at /rollouts/<id>/v1/..., so an agent is
 attributed just by its base_url. A sub-agent says who spawned it with X-Tracerl-Parent: the
 `id` of the completion its parent agent received. Every refusal is an OpenAI-style JSON
 error with a 4xx status; a traceback never reaches the client.
