@@ -185,8 +185,8 @@ def _turn(message: dict[str, Any], i: int) -> list[dict[str, Any]]:
     """One Messages turn as chat messages."""
     role, content, where = message.get("role"), message.get("content"), f"messages.{i}"
     if role not in ("user", "assistant", "system"):
-        message = f"{where}.role: must be 'user', 'assistant' or 'system', not {role!r}"
-        raise GatewayError(400, message, where)
+        refusal = f"{where}.role: must be 'user', 'assistant' or 'system', not {role!r}"
+        raise GatewayError(400, refusal, where)
     if isinstance(content, str):
         return [{"role": role, "content": content}]
     if not isinstance(content, list):
