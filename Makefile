@@ -5,7 +5,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: install demo test lint bench vllm
+.PHONY: install demo test lint bench vllm clis
 
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -49,3 +49,14 @@ $(VLLM_STAMP):
 	touch $(VLLM_STAMP)
 
 vllm: $(VLLM_STAMP)
+
+# Coding-agent CLIs the gateway is tested against (tests/test_clis.py), pinned, installed
+# into .npm-tools/ (node 20+). Their tests point them at the gateway on loopback only.
+CLIS_STAMP := .npm-tools/.installed
+
+$(CLIS_STAMP):
+	npm install --prefix .npm-tools --no-audit --no-fund --foreground-scripts \
+		@openai/codex@0.171.0 @anthropic-ai/claude-code@2.1.332
+	touch $(CLIS_STAMP)
+
+clis: $(CLIS_STAMP)

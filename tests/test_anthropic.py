@@ -165,7 +165,7 @@ def test_max_tokens_stop_reason_and_count_tokens(served) -> None:  # type: ignor
     [
         ({"model": MODEL, "max_tokens": 5, "messages": []}, 400),
         ({"model": MODEL, "max_tokens": 0, "messages": [QUESTION]}, 400),
-        ({"model": MODEL, "messages": [{"role": "system", "content": "x"}]}, 400),
+        ({"model": MODEL, "messages": [{"role": "tool", "content": "x"}]}, 400),
         ({"model": MODEL, "messages": [{"role": "user", "content": [{"type": "image"}]}]}, 400),
         ({"model": MODEL, "messages": [QUESTION], "temperature": "hot"}, 400),
     ],

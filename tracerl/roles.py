@@ -10,9 +10,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Literal
 
-from pydantic import BaseModel, ConfigDict, model_validator
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from tracerl.trainer.config import LoraSettings
 
@@ -161,3 +161,9 @@ class GatewayConfig(BaseModel):
     role; replies carry the name asked for."""
     default_model: str | None = None
     """The role answering any other name it does not serve; unset: unknown names get 404."""
+    record: Literal["all", "rollouts"] = "all"
+    """Which calls are recorded: "all" records a call to plain /v1 that names no rollout
+    under a session (X-Tracerl-Session, a client's session header, metadata, or its API
+    key); "rollouts" refuses such calls with a 400 naming X-Tracerl-Rollout."""
+    session_idle_s: float = Field(default=300.0, gt=0)
+    """Seconds without a call after which a session's rollout is finished (succeeded)."""

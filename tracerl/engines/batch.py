@@ -23,7 +23,7 @@ from typing import cast
 import torch
 import torch.nn.functional as F
 from pydantic import BaseModel, ConfigDict
-from transformers import DynamicCache
+from transformers import DynamicCache, PreTrainedModel, PreTrainedTokenizerBase
 from transformers.cache_utils import DynamicLayer
 
 from tracerl.engines.constrained import Matcher, masked
@@ -337,3 +337,21 @@ def _top_p_filter(probs_BV: torch.Tensor, top_p_B: torch.Tensor) -> torch.Tensor
     mass_before_BV = sorted_BV.cumsum(-1) - sorted_BV
     sorted_BV = sorted_BV.masked_fill(mass_before_BV >= top_p_B[:, None], 0.0)
     return torch.zeros_like(probs_BV).scatter(-1, order_BV, sorted_BV)
+
+
+def eos_token_ids(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase) -> list[int]:
+    """End tokens from the generation config, the model config and the tokenizer, in order."""
+    generation_config = getattr(model, "generation_config", None)
+    candidates = [
+        getattr(generation_config, "eos_token_id", None),
+        getattr(model.config, "eos_token_id", None),
+        tokenizer.eos_token_id,
+    ]
+    ids: list[int] = []
+    for candidate in candidates:
+        for token in candidate if isinstance(candidate, list) else [candidate]:
+            if token is not None and token not in ids:
+                ids.append(int(token))
+    if not ids:
+        raise ValueError("the model declares no end token (eos_token_id)")
+    return ids

@@ -40,6 +40,7 @@ from tracerl.engines.batch import (
     Row,
     check_request,
     deliver,
+    eos_token_ids,
     joinable,
     left_padded,
     merge,
@@ -82,7 +83,7 @@ class HFEngine:
         self._model = self._load_model(model_dir)
         config = self._model.config
         self.max_context: int = max_context or config.max_position_embeddings
-        self.eos_token_ids: list[int] = _eos_token_ids(self._model, self.tokenizer)
+        self.eos_token_ids: list[int] = eos_token_ids(self._model, self.tokenizer)
         self.policy_version = policy_version
         self._serving_version = policy_version
         self._vocab_size = cast(
@@ -376,24 +377,6 @@ class HFEngine:
         running = len(self._batch.rows) if self._batch is not None else 0
         self._counters.running_rows = running
         self._counters.peak_rows = max(self._counters.peak_rows, running)
-
-
-def _eos_token_ids(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase) -> list[int]:
-    """End tokens from the generation config, the model config and the tokenizer, in order."""
-    generation_config = getattr(model, "generation_config", None)
-    candidates = [
-        getattr(generation_config, "eos_token_id", None),
-        getattr(model.config, "eos_token_id", None),
-        tokenizer.eos_token_id,
-    ]
-    ids: list[int] = []
-    for candidate in candidates:
-        for token in candidate if isinstance(candidate, list) else [candidate]:
-            if token is not None and token not in ids:
-                ids.append(int(token))
-    if not ids:
-        raise ValueError("the model declares no end token (eos_token_id)")
-    return ids
 
 
 if TYPE_CHECKING:  # mypy checks every member against the Engine protocols

@@ -198,12 +198,15 @@ def _block_text(block: Any, where: str) -> str:
 def _turn(message: dict[str, Any], i: int) -> list[dict[str, Any]]:
     """One Messages turn as chat messages."""
     role, content, where = message.get("role"), message.get("content"), f"messages.{i}"
-    if role not in ("user", "assistant"):
-        raise GatewayError(400, f"{where}.role: must be 'user' or 'assistant', not {role!r}", where)
+    if role not in ("user", "assistant", "system"):
+        refusal = f"{where}.role: must be 'user', 'assistant' or 'system', not {role!r}"
+        raise GatewayError(400, refusal, where)
     if isinstance(content, str):
         return [{"role": role, "content": content}]
     if not isinstance(content, list):
         raise GatewayError(400, f"{where}.content: must be a string or a list of blocks", where)
+    if role == "system":  # a system turn mid-conversation (Claude Code 2.1 sends them)
+        return [{"role": "system", "content": "".join(_block_text(b, where) for b in content)}]
     blocks = [b for b in content if not (isinstance(b, dict) and b.get("type") in _DROPPED_BLOCKS)]
     return _assistant(blocks, where) if role == "assistant" else _user(blocks, where)
 

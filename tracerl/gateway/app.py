@@ -1,7 +1,7 @@
 """The gateway's HTTP face: OpenAI-compatible routes, server-sent events, JSON errors.
 
-Routes exist twice: at /v1/... (the rollout comes from the X-Tracerl-Rollout header, or
-the call is served without recording) and at /rollouts/<id>/v1/..., so an agent is
+Routes exist twice: at /v1/... (the rollout comes from the X-Tracerl-Rollout header, else
+the call is recorded under its session's rollout: gateway/sessions.py) and at /rollouts/<id>/v1/..., so an agent is
 attributed just by its base_url. A sub-agent says who spawned it with X-Tracerl-Parent: the
 `id` of the completion its parent agent received. Every refusal is an OpenAI-style JSON
 error with a 4xx status; a traceback never reaches the client.
@@ -26,8 +26,15 @@ from tracerl.gateway.anthropic import register_messages
 from tracerl.gateway.chat import ChatRequest, CompletionRequest, wire_message
 from tracerl.gateway.core import Choice, Gateway, GatewayError, Served, decode, invalid
 from tracerl.gateway.responses import register_responses
+from tracerl.gateway.sessions import attribute
 from tracerl.gateway.streaming import chat_events, completion_events
-from tracerl.gateway.wire import MODEL_CALL_DOC, PARENT_HEADER, REPLY_DOC, ROLLOUT_HEADER
+from tracerl.gateway.wire import (  # noqa: F401  ROLLOUT_HEADER is re-exported
+    MODEL_CALL_DOC,
+    PARENT_HEADER,
+    REPLY_DOC,
+    ROLLOUT_HEADER,
+    rollout_of,
+)
 from tracerl.limits import ClientGone, Limits, LimitsMiddleware, unless_disconnected
 from tracerl.store.http import install_error_handlers, store_router
 from tracerl.store.wire import body_doc, errors_doc
@@ -72,10 +79,6 @@ async def _body(request: Request) -> Any:
         raise GatewayError(400, f"request body is not valid JSON: {e}") from None
 
 
-def _rollout_id(request: Request, path_id: str | None) -> str | None:
-    return path_id or request.headers.get(ROLLOUT_HEADER)
-
-
 def _check_sampling(limits: Limits, n: int, max_tokens: int | None) -> None:
     """A 400 when a call asks for more choices or tokens than the service allows."""
     if n > limits.max_n:
@@ -112,7 +115,11 @@ def create_app(
         docs_url=None,
         redoc_url=None,
         # Every route, those of API modules registered below included, is behind the guard.
-        dependencies=[Depends(guard(keys, gateway.store, gateway.store_executor))],
+        # Attribution after the guard: a refused caller never opens a session.
+        dependencies=[
+            Depends(guard(keys, gateway.store, gateway.store_executor)),
+            Depends(attribute(gateway.store, gateway.sessions)),
+        ],
         responses=errors_doc(401, 403, 408, 413),
     )
     app.add_middleware(LimitsMiddleware, limits=limits)
@@ -127,7 +134,7 @@ def create_app(
         _check_sampling(limits, req.n, req.token_limit())
         parent = request.headers.get(PARENT_HEADER)
         usage = bool((req.stream_options or {}).get("include_usage"))
-        target = _rollout_id(request, rollout_id)
+        target = rollout_of(request, rollout_id)
         if gateway.role(req.model) in gateway.remote:
             body = await unless_disconnected(request, gateway.chat_remote(req, target, parent))
             if req.stream:
@@ -148,7 +155,7 @@ def create_app(
             raise invalid(e) from None
         _check_sampling(limits, req.n, req.max_tokens)
         parent = request.headers.get(PARENT_HEADER)
-        pending = await gateway.open_complete(req, _rollout_id(request, rollout_id), parent)
+        pending = await gateway.open_complete(req, rollout_of(request, rollout_id), parent)
         if req.stream:
             events = completion_events(gateway, pending)
             return StreamingResponse(events, media_type="text/event-stream")

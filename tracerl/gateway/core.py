@@ -29,14 +29,14 @@ from tracerl.gateway.chat import (
     ChatRequest,
     CompletionRequest,
     Message,
-    ToolSpec,
     canonical_reply,
-    normalize_message,
 )
 from tracerl.gateway.errors import GatewayError, invalid
+from tracerl.gateway.prompting import chat_prompt, completion_ids, request_messages
 from tracerl.gateway.record import Call, SpanRecorder
 from tracerl.gateway.remote import RemoteError, RemoteModel
 from tracerl.gateway.served import Choice, HistoryKey, Pending, Served, ServedModel, decode
+from tracerl.gateway.sessions import Record, Sessions
 from tracerl.gateway.tito import History, Prompt, Turn
 from tracerl.gateway.toolcalls import parse_reply
 from tracerl.gateway.toolcalls.enforce import constrained
@@ -72,6 +72,8 @@ class Gateway:
         remote: dict[str, RemoteModel] | None = None,
         aliases: dict[str, str] | None = None,
         default_model: str | None = None,
+        record: Record = "all",
+        session_idle_s: float = 300.0,
     ) -> None:
         self.store = store
         self.models = models
@@ -92,6 +94,12 @@ class Gateway:
         """Where store calls run, the span recorder's and the /store API's."""
         self._tokenizer_thread = ThreadPoolExecutor(1, "tracerl-tokenize")
         self.recorder = SpanRecorder(store, memory, self.store_executor)
+        self.sessions = (
+            Sessions(store, self.store_executor, session_idle_s, lease_s=3 * session_idle_s)
+            if store is not None and record == "all"
+            else None
+        )
+        """Where unattributed calls are recorded; None: they are refused (record="rollouts")."""
         # Per-rollout token histories, bounded: the oldest go first. A forgotten history
         # only costs a re-tokenization (recorded as a prefix break).
         self._histories: OrderedDict[HistoryKey, History] = OrderedDict()
@@ -103,7 +111,10 @@ class Gateway:
         return sorted([*self.models, *self.remote])
 
     def close(self) -> None:
-        """Stop the tokenizer and store threads (after the HTTP server has stopped)."""
+        """Finish open sessions, stop the tokenizer and store threads (after the HTTP server
+        has stopped)."""
+        if self.sessions is not None:
+            self.sessions.close()
         self._tokenizer_thread.shutdown(wait=True, cancel_futures=True)
         self.store_executor.shutdown(wait=True, cancel_futures=True)
 
@@ -153,7 +164,7 @@ class Gateway:
         # own conversation: keying by parent keeps the parent's token history intact.
         key = (rollout.id, rollout.attempt, role, parent_id) if rollout else None
         prev = self._histories.get(key) if key else None
-        messages, tools, prompt = await self._tokenize(_chat_prompt, served, req, prev)
+        messages, tools, prompt = await self._tokenize(chat_prompt, served, req, prev)
         params = self._params(served, len(prompt.ids), req.token_limit(), req)
         params = await self._tokenize(constrained, served, req, tools, params)
         return Pending(
@@ -164,7 +175,7 @@ class Gateway:
     async def count_tokens(self, req: ChatRequest) -> int:
         """How many tokens the request's prompt holds, rendered afresh (nothing sampled)."""
         served = self.model(self.role(req.model))
-        _, _, prompt = await self._tokenize(_chat_prompt, served, req, None)
+        _, _, prompt = await self._tokenize(chat_prompt, served, req, None)
         return len(prompt.ids)
 
     async def run(self, p: Pending, on_tokens: Callable[[list[int]], None] | None = None) -> Served:
@@ -206,7 +217,7 @@ class Gateway:
         remote = self.remote[role]
         rollout = await self.recorder.rollout(rollout_id)
         parent_id = await self.recorder.parent(rollout, parent)
-        messages = _messages(req)
+        messages = request_messages(req)
         started = time.perf_counter()
         try:
             body = await remote.chat(req.model_dump(mode="json", exclude_unset=True))
@@ -233,7 +244,7 @@ class Gateway:
         served = self.model(self.role(req.model))
         rollout = await self.recorder.rollout(rollout_id)
         parent_id = await self.recorder.parent(rollout, parent)
-        ids = await self._tokenize(_completion_ids, served, req.prompt)
+        ids = await self._tokenize(completion_ids, served, req.prompt)
         params = self._params(served, len(ids), req.max_tokens, req)
         return Pending(
             served, req.model, rollout, parent_id, None, [], None, Prompt(ids=ids), params,
@@ -340,37 +351,6 @@ class Gateway:
             self._histories.popitem(last=False)
 
 
-# -- on the tokenizer thread --------------------------------------------------------------
-
-
-def _chat_prompt(
-    served: ServedModel, req: ChatRequest, prev: History | None
-) -> tuple[list[Message], list[dict] | None, Prompt]:
-    """The request's canonical messages and tools, and its prompt ids (extending `prev`)."""
-    messages = _messages(req)
-    tools = _tool_dicts(req.tools)
-    try:
-        return messages, tools, served.prompts.build(messages, tools, prev)
-    except GatewayError:
-        raise
-    except Exception as e:  # a template that cannot render this conversation
-        raise GatewayError(400, f"cannot render messages: {e}", param="messages") from None
-
-
-def _completion_ids(served: ServedModel, prompt: str | list[int]) -> list[int]:
-    """A raw completion's prompt ids: text tokenized as the tokenizer does, or ids checked."""
-    if isinstance(prompt, str):
-        ids = served.prompts.encode(prompt, special=True)
-    else:
-        ids = list(prompt)
-        vocab = len(served.tokenizer)
-        if any(not 0 <= t < vocab for t in ids):
-            raise GatewayError(400, f"prompt token ids must be in [0, {vocab})", param="prompt")
-    if not ids:
-        raise GatewayError(400, "prompt is empty", param="prompt")
-    return ids
-
-
 def _route(rollout: Rollout | None, role: str) -> str | None:
     """The routing key of a call: its rollout and role (None outside a rollout)."""
     return f"{rollout.id}/{role}" if rollout is not None else None
@@ -380,16 +360,3 @@ def _end(gen: Generation) -> str:
     if gen.stop_string:
         return "stop_string"
     return "eos" if gen.finish_reason == "stop" else "length"
-
-
-def _messages(req: ChatRequest) -> list[Message]:
-    """The request's messages in one form, or a 400 naming what is wrong with them."""
-    try:
-        return [normalize_message(m) for m in req.messages]
-    except (ValueError, TypeError, AttributeError) as e:
-        raise GatewayError(400, str(e), param="messages") from None
-
-
-def _tool_dicts(tools: list[ToolSpec] | None) -> list[dict] | None:
-    """Tools as plain dicts for the chat template (None when absent or empty)."""
-    return [t.model_dump(exclude_none=True) for t in tools] if tools else None

@@ -52,8 +52,14 @@ async def read_json(request: Request) -> Any:
 
 
 def rollout_of(request: Request, path_id: str | None) -> str | None:
-    """The rollout a call is attributed to: its URL path's, else the header's."""
-    return path_id or request.headers.get(ROLLOUT_HEADER)
+    """The rollout a call is attributed to: its URL path's, else the header's, else its
+    session's (gateway/sessions.py, which may instead have refused the call)."""
+    if path_id or request.headers.get(ROLLOUT_HEADER):
+        return path_id or request.headers.get(ROLLOUT_HEADER)
+    refusal = getattr(request.state, "refusal", None)
+    if refusal is not None:
+        raise refusal
+    return getattr(request.state, "rollout_id", None)
 
 
 def parent_of(request: Request) -> str | None:

@@ -85,6 +85,11 @@ class Store(Protocol):
         """Re-queue expired leases, then lease up to n of the oldest queued rollouts."""
         ...
 
+    def open_session(self, key: str, lease_s: float = 600.0) -> Rollout:
+        """A new task of split "session" (one per key) and its rollout, already running with
+        max_attempts 1, in one transaction: what the gateway records unattributed calls in."""
+        ...
+
     def heartbeat(self, rollout_id: str, attempt: int, lease_s: float = 30.0) -> Rollout:
         """Extend the lease of a running attempt; LeaseLost if it is no longer running."""
         ...

@@ -22,6 +22,7 @@ import orjson
 from pydantic import BaseModel
 
 from tracerl.store import StoreError, StoreUnavailable
+from tracerl.store.sessions import SessionRequest
 from tracerl.store.wire import (
     CLAIMED,
     COUNTS,
@@ -125,6 +126,10 @@ class StoreClient:
         """The agent key minted with this client's claim of the attempt (None: unknown)."""
         with self._lock:
             return self._agent_keys.get((rollout_id, attempt))
+
+    def open_session(self, key: str, lease_s: float = 600.0) -> Rollout:
+        body = SessionRequest(key=key, lease_s=lease_s)
+        return Rollout.model_validate_json(self._post("/sessions", body))
 
     def heartbeat(self, rollout_id: str, attempt: int, lease_s: float = 30.0) -> Rollout:
         body = HeartbeatRequest(attempt=attempt, lease_s=lease_s)

@@ -35,6 +35,7 @@ from tracerl.auth import AccessDenied, Keys, guard
 from tracerl.limits import Limits, LimitsMiddleware
 from tracerl.store import Store, StoreError
 from tracerl.store.client import StoreClient
+from tracerl.store.sessions import SessionRequest
 from tracerl.store.wire import (
     ATTEMPT_MAX,
     CLAIM,
@@ -68,6 +69,8 @@ __all__ = [
 ]
 
 T = TypeVar("T")
+
+SESSION = TypeAdapter(SessionRequest)
 
 Attempt = Annotated[int | None, Query(ge=0, lt=ATTEMPT_MAX)]
 """An attempt number in a query string; absent means the rollout's current attempt."""
@@ -173,6 +176,16 @@ def store_router(
     async def heartbeat(rollout_id: str, request: Request) -> Response:
         b = await _parse(request, HEARTBEAT)
         return _one(await call(store.heartbeat, rollout_id, b.attempt, b.lease_s))
+
+    @r.post(
+        "/sessions",
+        response_model=Rollout,
+        responses=errors_doc(422),
+        openapi_extra=body_doc(SESSION),
+    )
+    async def open_session(request: Request) -> Response:
+        b = await _parse(request, SESSION)
+        return _one(await call(store.open_session, b.key, b.lease_s))
 
     @r.post(
         "/rollouts/{rollout_id}/finish",

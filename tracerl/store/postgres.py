@@ -63,6 +63,7 @@ from tracerl.store.schema import (
     task_from_row,
     task_row,
 )
+from tracerl.store.sessions import open_postgres_session
 from tracerl.types import (
     FINISHED,
     VALID_TRANSITIONS,
@@ -244,6 +245,8 @@ class PostgresStore:
                 (r, {"attempt": r.attempt + 1, **changes}) for r in map(rollout_from_row, rows)
             ]
             return self._transition(cur, moves, RolloutStatus.running)
+
+    open_session = open_postgres_session
 
     def heartbeat(self, rollout_id: str, attempt: int, lease_s: float = 30.0) -> Rollout:
         with self._tx() as cur:

@@ -49,6 +49,7 @@ from tracerl.store.schema import (
     task_from_row,
     task_row,
 )
+from tracerl.store.sessions import open_sqlite_session
 from tracerl.types import (
     FINISHED,
     VALID_TRANSITIONS,
@@ -221,6 +222,8 @@ class SqliteStore:
                 )
                 for r in map(rollout_from_row, rows)
             ]
+
+    open_session = open_sqlite_session
 
     def heartbeat(self, rollout_id: str, attempt: int, lease_s: float = 30.0) -> Rollout:
         with self._tx() as db:
