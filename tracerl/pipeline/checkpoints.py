@@ -72,6 +72,7 @@ class Checkpoints:
     def record(self, step: int, rollout_ids: list[str]) -> None:
         """Append the rollouts trained on at `step` (the step number after it) to the
         ledger."""
+        self.ledger.parent.mkdir(parents=True, exist_ok=True)
         with self.ledger.open("a") as f:
             f.write(json.dumps({"step": step, "rollouts": rollout_ids}) + "\n")
             f.flush()

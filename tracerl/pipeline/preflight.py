@@ -10,7 +10,7 @@ which RL from rewards fixes slowly; one that made fewer skipped a tool, a habit 
 fast (docs/recipes.md).
 
 A reward that is 0 on every pre-flight rollout refuses the run (PreflightError) unless
---guard.preflight false: no update can come of it, and the usual cause is a broken reward or
+--no-guard.preflight: no update can come of it, and the usual cause is a broken reward or
 agent. Everything else, a reward that is always 1 included, is a warning.
 """
 
@@ -166,6 +166,6 @@ def preflight(
             f"pre-flight: the reward was 0 on all {len(rewards)} rollouts of "
             f"{report.groups} training tasks, so every advantage is 0 and training cannot "
             "change the model. Check the reward function and the agent's answers "
-            "(`tracerl traces list`), or pass --guard.preflight false to train anyway."
+            "(`tracerl traces list`), or pass --no-guard.preflight to train anyway."
         )
     return report
