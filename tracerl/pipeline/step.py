@@ -27,6 +27,7 @@ from tracerl.pipeline.checkpoints import Checkpoints, PipelineState, Trainers
 from tracerl.pipeline.config import PipelineConfig
 from tracerl.pipeline.sources import RolloutSource, SourceStats
 from tracerl.store import Store
+from tracerl.trainer.lead import Leader
 from tracerl.trainer.trainer import Trainer, TrainMetrics
 from tracerl.types import Group, PolicyVersion, Transition
 
@@ -42,7 +43,8 @@ class Policy:
     """
 
     name: str
-    trainer: Trainer
+    trainer: Trainer | Leader
+    """Its trainer: a Trainer, or rank 0's Leader of data-parallel ranks."""
     engine: Engine
     roles: list[str]
 
@@ -103,7 +105,12 @@ class Pipeline:
         """What checkpoints hold: the one trainer, or every policy's by name."""
         if len(self.policies) == 1:
             return self.policies[0].trainer
-        return {p.name: p.trainer for p in self.policies}
+        several: dict[str, Trainer] = {}
+        for p in self.policies:
+            if not isinstance(p.trainer, Trainer):
+                raise TypeError("data-parallel ranks (a Leader) train one-policy runs only")
+            several[p.name] = p.trainer
+        return several
 
     def resume(self) -> int:
         """Restore the newest checkpoint and serve its weights; returns the step to run."""
@@ -144,7 +151,10 @@ class Pipeline:
                 out[p.name] = p.trainer.train(mine)
             else:
                 out[p.name] = None
-                p.trainer.version += 1  # same weights, next version: versions stay in step
+                # Same weights, next version: versions stay in step. A Leader's followers
+                # never have their version read (rank 0 checkpoints and publishes).
+                t = p.trainer.trainer if isinstance(p.trainer, Leader) else p.trainer
+                t.version += 1
         return out
 
     def run_step(self) -> StepReport:
