@@ -16,6 +16,8 @@ import subprocess
 import sys
 import time
 from collections import Counter
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -29,21 +31,35 @@ needs_namespaces = pytest.mark.skipif(
     os.geteuid() != 0 or not shutil.which("unshare") or not shutil.which("ss"),
     reason="needs root, unshare and ss (the cluster runs in namespaces of its own)",
 )
-pytestmark = [pytest.mark.ray, pytest.mark.slow, needs_namespaces]
 
 
-def _start(script: str, out: Path) -> subprocess.Popen[str]:
+def on_a_cluster(test: Callable[..., None]) -> Callable[..., None]:
+    """Marks of a test that trains on the simulated cluster."""
+    return pytest.mark.ray(pytest.mark.slow(needs_namespaces(test)))
+
+
+@contextmanager
+def _in_namespaces(script: str, out: Path) -> Iterator[subprocess.Popen[str]]:
+    """tests/cluster/<script> OUT running against the 2-node cluster; killed on the way out
+    if still running (unshare --kill-child then ends the namespace's PID 1, and the kernel
+    every process of the namespace)."""
     pytest.importorskip("ray")
     cmd = [
         "unshare", "-n", "-p", "-f", "--mount-proc", "--kill-child",
         sys.executable, str(SCRIPTS / "netns.py"), str(SCRIPTS / script), str(out),
     ]  # fmt: skip
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    return subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, text=True)
+    try:
+        yield proc
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
 
 
-def _finish(proc: subprocess.Popen[str], timeout_s: float) -> str:
-    """Its output; a run past `timeout_s` is killed (the kernel ends its whole namespace)."""
+def _finish(proc: subprocess.Popen[str], timeout_s: float = 540) -> str:
+    """Its output, once it exits (within the tests' own 600 s limit)."""
     try:
         out, _ = proc.communicate(timeout=timeout_s)
     except subprocess.TimeoutExpired:
@@ -96,14 +112,15 @@ def test_cluster_config_is_off_by_default_and_ray_free() -> None:
     assert cfg.cluster.address == "127.0.0.1:6379"
 
 
+@on_a_cluster
 def test_two_nodes_learn_like_one_process_and_listen_on_loopback_only(tmp_path: Path) -> None:
-    proc = _start("learn.py", tmp_path)
-    # Outside the namespace, while the cluster run trains: no process of ours listens here.
-    _wait_for(tmp_path / "ready.json", proc, timeout_s=900)
-    ours = _descendants(proc.pid)
-    leaked = ours & _host_listeners()
-    (tmp_path / "checked").touch()
-    print(_finish(proc, timeout_s=900))
+    with _in_namespaces("learn.py", tmp_path) as proc:
+        # Outside the namespace, while the cluster run trains: nothing of ours listens here.
+        _wait_for(tmp_path / "ready.json", proc, timeout_s=400)
+        ours = _descendants(proc.pid)
+        leaked = ours & _host_listeners()
+        (tmp_path / "checked").touch()
+        print(_finish(proc))
     assert len(ours) > 10, "the namespace's processes were not seen from the host"
     assert not leaked, f"processes of the cluster listen in the host's namespace: {leaked}"
     inside = json.loads((tmp_path / "ready.json").read_text())
@@ -131,8 +148,10 @@ def test_two_nodes_learn_like_one_process_and_listen_on_loopback_only(tmp_path: 
 LOOPBACK = {"127.0.0.1", "[::ffff:127.0.0.1]", "[::1]"}
 
 
+@on_a_cluster
 def test_a_node_killed_mid_step_loses_nothing_and_trains_nothing_twice(tmp_path: Path) -> None:
-    print(_finish(_start("fault.py", tmp_path), timeout_s=900))
+    with _in_namespaces("fault.py", tmp_path) as proc:
+        print(_finish(proc))
     result = json.loads((tmp_path / "result.json").read_text())
     kill, rollouts, ledger = result["kill"], result["rollouts"], result["ledger"]
     assert kill["running"] > 0 and kill["actor_pids"], kill
