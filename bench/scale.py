@@ -1,18 +1,19 @@
 """Rollouts per second on one node and on two: do runners spread by Ray add throughput?
 
-The agent is the calculator example with a 0.5 s tool (CALCULATOR_TOOL_LATENCY): its
-rollouts wait on the tool, not on the CPU or the model, as agents calling real tools do.
+The agent (bench/scale_agent.py) makes a 0.5 s tool call, then runs the calculator example:
+its rollouts wait on the tool, not on the CPU or the model, as agents calling real tools do.
 A serving stack (the demo's tiny calculator model, engine and gateway, SQLite store) runs in
 the driver; runner actors placed by tracerl.cluster run `rollouts` rollouts, first on one
 node, then spread over two, with the same `per_node` concurrency on each node. Wall time
-runs from the first claim to the last finish. Runs inside namespaces of its own against a
+runs from the enqueue (the actors already up and polling, at most 1 s apart) to the last
+finish. Runs inside namespaces of its own against a
 simulated 2-node Ray cluster (tests/cluster/netns.py, as the tests do; needs root).
 
 Also, unless --no-others: `store_claims_per_s_sqlite` / `store_claims_per_s_postgres` from
 bench/store_backends.py and `dp_max_rel_diff` from bench/dp.py, each run small. The last
 line printed is one JSON object.
 
-    .venv/bin/python bench/scale.py [--rollouts 96 --per-node 8 --no-others]
+    .venv/bin/python bench/scale.py [--rollouts 192 --per-node 8 --no-others]
 """
 
 from __future__ import annotations
@@ -110,7 +111,7 @@ def inside(args: argparse.Namespace) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--rollouts", type=int, default=96)
+    parser.add_argument("--rollouts", type=int, default=192)
     parser.add_argument("--per-node", type=int, default=8)
     parser.add_argument("--no-others", action="store_true")
     parser.add_argument("--out", default="")

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import threading
 import time
 from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
@@ -33,7 +34,7 @@ from tracerl.runner import RewardFn, Runner, RunnerConfig, load_agent, load_call
 from tracerl.store import Store
 from tracerl.store.open import open_store
 
-__all__ = ["ActorInfo", "RemoteRunners", "RunnerSpec", "place_runners", "short"]
+__all__ = ["ActorInfo", "PlacedRunner", "RemoteRunners", "RunnerSpec", "place_runners", "short"]
 
 
 def short(node_id: str) -> str:
@@ -101,7 +102,7 @@ class RunnerActor:
 
 
 @dataclass
-class _Placed:
+class PlacedRunner:
     """One runner actor and what the driver knows of it."""
 
     name: str
@@ -114,7 +115,7 @@ class _Placed:
 
 def place_runners(
     spec: RunnerSpec, nodes: int, per_node: int, cpus: float, prefix: str, timeout_s: float
-) -> tuple[PlacementGroup, list[_Placed]]:
+) -> tuple[PlacementGroup, list[PlacedRunner]]:
     """A STRICT_SPREAD placement group of `nodes` bundles and `per_node` actors in each."""
     pg = placement_group([{"CPU": cpus * per_node}] * nodes, strategy="STRICT_SPREAD")
     ready, _ = ray.wait([pg.ready()], timeout=timeout_s)
@@ -129,17 +130,19 @@ def place_runners(
             actor = RunnerActor.options(  # type: ignore[attr-defined]
                 name=name, num_cpus=cpus, scheduling_strategy=strategy
             ).remote(spec, name)
-            placed.append(_Placed(name, actor))
+            placed.append(PlacedRunner(name, actor))
     return pg, placed
 
 
 class RemoteRunners:
     """A source's runner whose workers are Ray actors; see the module docstring."""
 
-    def __init__(self, store: Store, actors: list[_Placed], cfg: RunnerConfig) -> None:
+    def __init__(self, store: Store, actors: list[PlacedRunner], cfg: RunnerConfig) -> None:
         self.store, self.actors = store, actors
         self.cfg = cfg.model_copy(update={"concurrency": cfg.concurrency * len(actors)})
         """Every actor's slots together (the async source's utilisation divides by them)."""
+        # The async source's thread and the training loop (metrics) both refresh.
+        self._lock = threading.Lock()
 
     def start(self) -> None:
         """Start every actor's claim loop (once) and learn where each one runs."""
@@ -151,6 +154,10 @@ class RemoteRunners:
     def refresh(self, timeout_s: float = 1.0) -> None:
         """Note the actors that died, and the latest info of the live ones (a slow node's
         answer is waited for `timeout_s` at most)."""
+        with self._lock:
+            self._refresh(timeout_s)
+
+    def _refresh(self, timeout_s: float) -> None:
         live = [a for a in self.actors if not a.dead and a.running is not None]
         if not live:
             return
