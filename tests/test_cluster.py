@@ -4,7 +4,7 @@ Each test runs a script of tests/cluster/ against a simulated 2-node Ray cluster
 start --head` with resource nodeA, `ray start --address` with nodeB) inside network and PID
 namespaces of its own (tests/cluster/netns.py): Ray listens on a machine's external address,
 and in a namespace holding only `lo` there is none. Needs root (unshare), `ip`, `ss`, Ray,
-and the demo's calculator model in $TRACERL_HOME (built once by `make demo`).
+and the demo's calculator model in $TRACERL_HOME (the fixture builds it once if missing).
 """
 
 from __future__ import annotations
@@ -113,7 +113,9 @@ def test_cluster_config_is_off_by_default_and_ray_free() -> None:
 
 
 @on_a_cluster
-def test_two_nodes_learn_like_one_process_and_listen_on_loopback_only(tmp_path: Path) -> None:
+def test_two_nodes_learn_like_one_process_and_listen_on_loopback_only(
+    calculator_model_dir: Path, tmp_path: Path
+) -> None:
     with _in_namespaces("learn.py", tmp_path) as proc:
         # Outside the namespace, while the cluster run trains: nothing of ours listens here.
         _wait_for(tmp_path / "ready.json", proc, timeout_s=400)
@@ -149,7 +151,9 @@ LOOPBACK = {"127.0.0.1", "[::ffff:127.0.0.1]", "[::1]"}
 
 
 @on_a_cluster
-def test_a_node_killed_mid_step_loses_nothing_and_trains_nothing_twice(tmp_path: Path) -> None:
+def test_a_node_killed_mid_step_loses_nothing_and_trains_nothing_twice(
+    calculator_model_dir: Path, tmp_path: Path
+) -> None:
     with _in_namespaces("fault.py", tmp_path) as proc:
         print(_finish(proc))
     result = json.loads((tmp_path / "result.json").read_text())

@@ -17,7 +17,7 @@ def calculator_config(runs: Path, name: str, **over: Any) -> TrainConfig:
     """4 steps of 8 tasks x 4 rollouts on the cached demo model, 64 held-out tasks."""
     model = Path(os.environ["TRACERL_HOME"]) / "models" / MODEL
     if not (model / "config.json").exists():
-        raise SystemExit(f"the demo model is not built: {model} (run `make demo` once)")
+        raise SystemExit(f"the demo model is not built: {model} (tests build it, `make demo` too)")
     tasks = write_calculator_tasks(runs / name / "tasks.jsonl", 400, 64)
     data: dict[str, Any] = {
         "name": name,
