@@ -253,3 +253,26 @@ def test_close_cancels_in_flight_rollouts_and_writes_nothing_after(stack: Stack)
     time.sleep(3.5)  # the agents' sleeps end; their runner is gone
     assert [(r.id, r.status, r.attempt) for r in stack.store.rollouts()] == before
     assert stack.store.counts().get("succeeded", 0) == 0
+
+
+def test_pause_leaves_the_queue_to_another_pool(stack: Stack) -> None:
+    """Regression: while paused for an evaluation, the source's runner still claimed the
+    evaluation's rollouts, so the evaluation's progress bar froze and it ran slower."""
+    tasks = _tasks(4)
+    source = AsyncSource(
+        "run", stack.store, stack.agents(), TaskOrder(tasks, 2, 0), NONE, lambda: 0
+    )
+    try:
+        source.batch(0)
+        source.pause(True)
+        time.sleep(0.3)  # rollouts already claimed finish; nothing new is claimed
+        stack.store.enqueue(["t0", "t1"], group_id="eval")
+        time.sleep(0.5)
+        assert {r.status.value for r in stack.store.rollouts(group_id="eval")} == {"queued"}
+        source.pause(False)
+        deadline = time.monotonic() + 20
+        while any(r.status.value == "queued" for r in stack.store.rollouts(group_id="eval")):
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+    finally:
+        source.close()

@@ -163,7 +163,9 @@ def test_demo_flags_override_one_field_and_keep_the_demo_defaults(
 def test_demo_defaults_are_the_demos() -> None:
     cfg = DemoConfig()
     assert (cfg.name, cfg.pipeline.eval_every, cfg.runner.concurrency) == ("demo", 10, 64)
-    assert cfg.curation.dynamic_sampling and not cfg.run_async
+    # One set of run defaults: the demo trains with `tracerl train`'s own.
+    assert cfg.trainer == TrainConfig().trainer and cfg.curation == TrainConfig().curation
+    assert cfg.trainer.lr == 3e-4 and not cfg.run_async
     assert Path(cfg.agent.rpartition(":")[0]).is_file()
 
 

@@ -149,6 +149,9 @@ def test_aligned_role_gets_the_same_rows_from_every_rollout(
     cfg = _cfg(tmp_path, tiny_model_dir, roles)
     cfg.algorithm = AlgorithmConfig(align={"executor": 2})
     cfg.pipeline = PipelineConfig(steps=1, tasks_per_step=4, group_size=2, eval_every=0)
+    # The untrained model never answers right: the check that refuses a reward that is 0
+    # everywhere would stop this run, which is about the rows, not about learning.
+    cfg.guard = cfg.guard.model_copy(update={"preflight": False})
     handed: list[list[Transition]] = []
     original = Trainer.train
 

@@ -132,3 +132,51 @@ def test_killed_runner_rollouts_are_requeued_and_finished_once(stack) -> None:  
         assert len(store.spans(rid, attempt=1)) == 1  # the dead attempt's call, kept apart
         assert len([w for w in store.rewards(rid) if w.span_seq is None]) == 1
     assert store.counts().get("succeeded") == 4
+
+
+class _FlakyStore:
+    """The store, unreachable for its first `outage` claims and counts (a store restarting)."""
+
+    def __init__(self, store: SqliteStore, outage: int) -> None:
+        self._store, self.outage = store, outage
+
+    def _maybe_down(self) -> None:
+        from tracerl.store import StoreUnavailable
+
+        if self.outage > 0:
+            self.outage -= 1
+            raise StoreUnavailable("store unreachable (test)")
+
+    def claim(self, *args, **kwargs):  # type: ignore[no-untyped-def]
+        self._maybe_down()
+        return self._store.claim(*args, **kwargs)
+
+    def counts(self):  # type: ignore[no-untyped-def]
+        self._maybe_down()
+        return self._store.counts()
+
+    def __getattr__(self, name: str):  # type: ignore[no-untyped-def]
+        return getattr(self._store, name)
+
+
+def test_a_pool_outlives_a_store_outage(stack) -> None:  # type: ignore[no-untyped-def]
+    """Regression: a claim that could not reach a restarting store ended the runner process."""
+    server, store = stack
+    ids = _tasks(store, 3)
+    flaky = _FlakyStore(store, outage=4)
+    runner = _run(flaky, server.url, f"{AGENT}:run", RunnerConfig(concurrency=3, poll_s=0.01))
+    assert flaky.outage == 0 and runner.finished == 3
+    assert all(store.get_rollout(rid).status == RolloutStatus.succeeded for rid in ids)
+
+
+def test_an_unreachable_remote_store_says_so() -> None:
+    import socket
+
+    from tracerl.store import StoreUnavailable
+    from tracerl.store.client import StoreClient
+
+    with socket.socket() as s:  # a port nobody listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    with pytest.raises(StoreUnavailable, match="unreachable"):
+        StoreClient(f"http://127.0.0.1:{port}", timeout=2.0).counts()

@@ -15,6 +15,7 @@ from pydantic import ValidationError
 from pydantic_settings import BaseSettings, CliApp, CliSubCommand
 from rich.console import Console
 
+from tracerl.dashboard.config import CtlCommand, DashboardCommand
 from tracerl.demo import DemoConfig
 from tracerl.entrypoints.config import (
     EvalCommand,
@@ -51,6 +52,8 @@ class Tracerl(
     serve: CliSubCommand[ServeCommand]
     runner: CliSubCommand[RunnerCommand]
     store: CliSubCommand[StoreCommand]
+    dashboard: CliSubCommand[DashboardCommand]
+    ctl: CliSubCommand[CtlCommand]
 
 
 def main(argv: list[str] | None = None) -> None:

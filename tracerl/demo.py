@@ -15,16 +15,14 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field
 
-from tracerl.algorithms.config import CurationConfig
 from tracerl.engines.config import EngineConfig
 from tracerl.examples import example_dir, example_file, example_module
 from tracerl.pipeline.config import PipelineConfig, TrainConfig
 from tracerl.runner import RunnerConfig
-from tracerl.trainer.config import TrainerConfig
 
 if TYPE_CHECKING:
     from tracerl.models.sft import Demo
@@ -74,13 +72,20 @@ class CalculatorRecipe(BaseModel):
     """Peak learning rate of stage two; at 1e-3 it also erodes the copy skill."""
     seed: int = 0
     """Seed of the model, the demonstrations and their order."""
+    heads: int = Field(default=4, ge=1)
+    """Attention heads of the 192-wide model: 4 (head size 48) is the measured default; 3
+    (head size 64) is a size vLLM's CPU attention accepts (`--engine.kind vllm`)."""
 
     def name(self) -> str:
         """The cache directory name: one per distinct recipe."""
         return (
-            f"calculator-tiny-skill{self.skill_steps}-lazy{self.lazy_rate:g}x"
+            f"calculator-tiny{self._shape()}-skill{self.skill_steps}-lazy{self.lazy_rate:g}x"
             f"{self.habit_steps}at{self.habit_lr:g}-n{self.demos}-seed{self.seed}"
         )
+
+    def _shape(self) -> str:
+        """ "" for the default shape (so existing caches stay valid), else -h<heads>."""
+        return "" if self.heads == 4 else f"-h{self.heads}"
 
 
 def calculator_demos(
@@ -106,11 +111,13 @@ def ensure_calculator_model(recipe: CalculatorRecipe | None = None, rebuild: boo
         return out
     models = cache_dir() / "models"
     clean = calculator_demos(recipe.demos, seed=recipe.seed + 1000)
-    base = models / f"calculator-tiny-base-clean-seed{recipe.seed}"
+    base = models / f"calculator-tiny{recipe._shape()}-base-clean-seed{recipe.seed}"
     if rebuild or not (base / "config.json").exists():
         texts = [render_chat(d.messages, d.tools) for d in clean]
-        build_tiny_model(base, texts, TinyModelConfig(seed=recipe.seed))
-    skilled = models / f"calculator-tiny-skill{recipe.skill_steps}-seed{recipe.seed}"
+        build_tiny_model(base, texts, TinyModelConfig(seed=recipe.seed, num_heads=recipe.heads))
+    skilled = (
+        models / f"calculator-tiny{recipe._shape()}-skill{recipe.skill_steps}-seed{recipe.seed}"
+    )
     if rebuild or not (skilled / "config.json").exists():
         sft(base, clean, skilled, SftConfig(steps=recipe.skill_steps, seed=recipe.seed))
     if recipe.habit_steps == 0:
@@ -136,7 +143,7 @@ class DemoConfig(TrainConfig):
     held-out tasks, train it with RL through the gateway (the agent code unchanged), and
     evaluate again. Every `tracerl train` field, with the demo's defaults."""
 
-    # Defaults tuned so the weak tiny model learns the calculator task in minutes on CPU.
+    # The run defaults are `tracerl train`'s own; only the demo's scale is set here.
     name: str = "demo"
     """Run name: outputs go to <runs>/<name>/."""
     model: str = ""
@@ -162,32 +169,10 @@ class DemoConfig(TrainConfig):
     """Generate while training (pipeline.mode async, max_staleness as configured)."""
     pipeline: PipelineConfig = PipelineConfig(steps=30, eval_every=10)
     """Scheduling."""
-    curation: CurationConfig = CurationConfig(dynamic_sampling=True)
-    """Data curation. The demo drops groups whose rollouts all got the same reward and tops
-    up with fresh tasks (DAPO): once most answers are right, the remaining copy mistakes are
-    rare, and only mixed groups carry a signal about them."""
-    trainer: TrainerConfig = TrainerConfig(
-        lr=3e-4, minibatches=2, warmup_steps=5, schedule="cosine"
-    )
-    """Policy update: lr 3e-4 with warmup, cosine decay to 10% over the run (the end of the
-    run settles instead of drifting)."""
     runner: RunnerConfig = RunnerConfig(concurrency=64)
     """How rollouts are run."""
     engine: EngineConfig = EngineConfig(max_batch_size=64)
     """How the policy is served."""
-
-    @model_validator(mode="before")
-    @classmethod
-    def _sections_keep_demo_defaults(cls, data: Any) -> Any:
-        # `--pipeline.steps 80` arrives as {"pipeline": {"steps": 80}}: the section's other
-        # fields keep the demo's defaults above, not the section class's own.
-        if not isinstance(data, dict):
-            return data
-        out = dict(data)
-        for name, field in cls.model_fields.items():
-            if isinstance(field.default, BaseModel) and isinstance(out.get(name), dict):
-                out[name] = field.default.model_dump(exclude_unset=True) | out[name]
-        return out
 
 
 _DEMO_ONLY = {"eval_tasks", "train_tasks", "recipe", "rebuild", "run_async"}

@@ -68,21 +68,41 @@ def read_metrics(path: Path) -> list[dict]:
 
 
 def plot_rewards(metrics_path: Path, out: Path, title: str = "") -> Path:
-    """reward.png: train reward and held-out success against training step."""
+    """reward.png: train reward and held-out success against training step (each held-out
+    point labelled with its number of tasks: the evaluations before and after training use
+    every held-out task, the periodic ones `eval_size`), and model calls per rollout on a
+    second axis (how much the agent uses its tools)."""
     plt = _pyplot()
     rows = read_metrics(metrics_path)
     train = [(r["step"], r["train/reward"]) for r in rows if "train/reward" in r]
-    evals = [(r["step"], r["eval/success"]) for r in rows if "eval/success" in r]
+    evals = [
+        (r["step"], r["eval/success"], r.get("eval/size")) for r in rows if "eval/success" in r
+    ]
+    calls = [(r["step"], r["guard/calls"]) for r in rows if r.get("guard/calls") is not None]
     fig, ax = plt.subplots(figsize=(7, 4))
     if train:
         ax.plot(*zip(*train, strict=True), label="train reward (mean)", color="tab:blue")
     if evals:
-        ax.plot(*zip(*evals, strict=True), "o-", label="held-out success", color="tab:orange")
+        steps, success, sizes = zip(*evals, strict=True)
+        ax.plot(steps, success, "o-", label="held-out success (n = tasks)", color="tab:orange")
+        for x, y, n in evals:
+            if n is not None:
+                ax.annotate(f"n={n}", (x, y), textcoords="offset points", xytext=(0, 6),
+                            ha="center", fontsize=7, color="tab:orange")  # fmt: skip
     ax.set_xlabel("training step")
     ax.set_ylabel("reward / success")
-    ax.set_ylim(-0.02, 1.02)
+    ax.set_ylim(-0.02, 1.08)
     ax.grid(alpha=0.3)
-    ax.legend(loc="lower right")
+    handles, labels = ax.get_legend_handles_labels()
+    if calls:
+        right = ax.twinx()
+        line = right.plot(
+            *zip(*calls, strict=True), ":", color="tab:green", label="calls / rollout"
+        )
+        right.set_ylabel("model calls per rollout")
+        right.set_ylim(0, max(c for _, c in calls) * 1.3 + 0.1)
+        handles, labels = handles + line, labels + ["calls / rollout"]
+    ax.legend(handles, labels, loc="lower right", fontsize=8)
     ax.set_title(title or metrics_path.parent.name)
     fig.tight_layout()
     fig.savefig(out, dpi=120)

@@ -20,6 +20,7 @@ if TYPE_CHECKING:
     from tracerl.gateway.remote import RemoteModel
 
 __all__ = [
+    "GatewayConfig",
     "PolicySpec",
     "RoleConfig",
     "check_local_models",
@@ -147,3 +148,16 @@ def top_model(model_name: str, roles: dict[str, RoleConfig], named: bool) -> str
         f"model_name {model_name!r} is not one of the roles {sorted(roles)}: set model_name "
         "to the role the top agent calls"
     )
+
+
+class GatewayConfig(BaseModel):
+    """The gateway's own settings (in `tracerl serve`, `eval` and `train`: --gateway.*)."""
+
+    model_config = ConfigDict(use_attribute_docstrings=True, extra="forbid", frozen=True)
+
+    model_aliases: dict[str, str] = {}
+    """Model names clients send -> the role that answers them, for agents that hard-code a
+    name (e.g. '{"claude-sonnet-4-5": "executor", "gpt-5": "planner"}'). Spans record the
+    role; replies carry the name asked for."""
+    default_model: str | None = None
+    """The role answering any other name it does not serve; unset: unknown names get 404."""

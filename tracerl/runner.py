@@ -11,7 +11,8 @@ Agents come in two forms: a Python callable `run(task_input, *, base_url, api_ke
 (sync ones run in threads, async ones on the loop), or an external command in any language
 that reads OPENAI_BASE_URL / OPENAI_API_KEY / OPENAI_MODEL and the task (JSON, in
 TRACERL_TASK and on stdin), prints its answer as the last line of stdout, and may POST its
-reward to TRACERL_REWARD_URL.
+reward to TRACERL_REWARD_URL. The API key is the attempt's own when the service has keys
+(sent as a Bearer token, it opens that attempt's model calls and reward only).
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ import importlib.machinery
 import importlib.util
 import inspect
 import json
+import logging
 import os
 import shlex
 import sys
@@ -39,8 +41,10 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from tracerl.store import LeaseLost, Store, StoreError
+from tracerl.store import LeaseLost, Store, StoreError, StoreUnavailable
 from tracerl.types import Rollout, RolloutStatus, Task
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -201,7 +205,8 @@ class RunnerConfig(BaseModel):
     lease_s: float = Field(default=30.0, gt=0)
     """Lease length; heartbeats renew it every lease_s / 3."""
     api_key: str = "tracerl"
-    """The API key handed to the agent (the gateway does not check it)."""
+    """The API key handed to the agent when the claim carries none of its own (a store in
+    this process: its gateway has no keys)."""
     poll_s: float = Field(default=0.05, gt=0)
     """Sleep between claims when nothing is queued."""
 
@@ -231,6 +236,9 @@ class Runner:
         """The `model` name handed to the agent: the role its calls are served as (the run's
         `model_name`)."""
         self.finished = 0
+        self.paused = False
+        """While set, running rollouts go on but nothing new is claimed (another pool, e.g.
+        a held-out evaluation's, has the queue to itself)."""
         self.busy_s = 0.0
         """Summed wall time of rollouts run (for utilisation: busy_s / (slots x wall))."""
 
@@ -249,8 +257,8 @@ class Runner:
         while not stop.is_set():
             free = self.cfg.concurrency - len(active)
             claimed = []
-            if free > 0:
-                claimed = await asyncio.to_thread(self.store.claim, self.id, free, self.cfg.lease_s)
+            if free > 0 and not self.paused:
+                claimed = await self._claim(free)
             for rollout in claimed:
                 task = asyncio.create_task(self.run_one(rollout))
                 active.add(task)
@@ -268,8 +276,20 @@ class Runner:
         if active:
             await asyncio.gather(*active, return_exceptions=True)
 
+    async def _claim(self, n: int) -> list[Rollout]:
+        """Up to n rollouts; none while the store is unreachable (a remote store restarting):
+        the pool keeps polling, with its usual back-off, instead of exiting."""
+        try:
+            return await asyncio.to_thread(self.store.claim, self.id, n, self.cfg.lease_s)
+        except StoreUnavailable as e:
+            log.warning("claim failed, will retry: %s", e.message)
+            return []
+
     def _idle(self) -> bool:
-        counts = self.store.counts()
+        try:
+            counts = self.store.counts()
+        except StoreUnavailable:
+            return False  # cannot tell while the store is away: keep polling
         return not counts.get("queued", 0) and not counts.get("running", 0)
 
     async def run_one(self, rollout: Rollout) -> None:
@@ -283,8 +303,12 @@ class Runner:
     async def _run_one(self, rollout: Rollout) -> None:
         task = await asyncio.to_thread(self.store.get_task, rollout.task_id)
         base_url = f"{self.gateway_url}/rollouts/{rollout.id}/v1"
+        # The attempt's own key when the store minted one (a claim over HTTP): it opens
+        # this attempt's model calls and reward only, and dies with the attempt.
+        minted = getattr(self.store, "agent_key", None)
+        api_key = (minted and minted(rollout.id, rollout.attempt)) or self.cfg.api_key
         run: asyncio.Future[AgentResult] = asyncio.ensure_future(
-            self.agent(task, base_url, self.cfg.api_key, self.model)
+            self.agent(task, base_url, api_key, self.model)
         )
         beat = asyncio.create_task(self._heartbeat(rollout, run))
         answer, reward, error = None, None, None

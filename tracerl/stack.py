@@ -2,7 +2,8 @@
 
 This is the laptop shape: `tracerl demo`, `train`, `eval`, `serve` and the tests build it;
 runners in the same process or elsewhere reach it over HTTP. On a GPU machine the engine's
-device changes (`device = "cuda"`) and nothing else does.
+device changes (`device = "cuda"`) and nothing else does; `engine.kind` "hf_server" or "vllm"
+serves the policy from server processes (several `engine.replicas`) instead of this one.
 
 Threads and event loops of one training process (`tracerl train`, pipeline/run.py): each
 thread, its owner, and what runs on it.
@@ -21,6 +22,11 @@ thread, its owner, and what runs on it.
   calls (rollout lookups, span and reward writes) and the `/store` API's.
 - `hf-engine`, one per policy (owner: `engines`): the model; prefill, decode steps, and
   weight swaps between steps. Answers reach the gateway's loop by call_soon_threadsafe.
+- server engines only (engine.kind vllm or hf_server; owner: the engine,
+  tracerl.engines.launch): `<kind>-watch` notices a server process that exited, and an
+  `engine-recovery-<i>` thread per replica out of service restarts its server and reloads
+  the current weights (under the engine's weight-sync lock, so it never races `publish`).
+  Both stop at the engine's close.
 - AsyncSource's thread (owner: pipeline/sources.py, async mode only): its own event loop
   runs `runner.run(until_idle=False)` until `close`, and issues groups.
 - the runner loop's default executor (owner: that loop, via asyncio.to_thread): the
@@ -47,10 +53,13 @@ from contextlib import ExitStack
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from tracerl.auth import Keys
 from tracerl.engines.base import Engine
 from tracerl.engines.config import EngineConfig
 from tracerl.gateway import Gateway, ServedModel, create_app
 from tracerl.gateway.remote import RemoteModel
+from tracerl.limits import Limits
+from tracerl.roles import GatewayConfig
 from tracerl.server import BackgroundServer, serve_in_thread
 from tracerl.store import Store
 from tracerl.store.open import open_store
@@ -62,6 +71,10 @@ def make_engine(model_dir: str | Path, cfg: EngineConfig, version: int = 0) -> E
         from tracerl.engines.vllm import VLLMEngine
 
         return VLLMEngine(model_dir, cfg, policy_version=version)
+    if cfg.kind == "hf_server":
+        from tracerl.engines.hf_server import HFServerEngine
+
+        return HFServerEngine(model_dir, cfg, policy_version=version)
     from tracerl.engines.hf import HFEngine
 
     return HFEngine(
@@ -140,10 +153,14 @@ def start_multi_stack(
     host: str = "127.0.0.1",
     port: int = 0,
     remote: dict[str, RemoteModel] | None = None,
+    keys: Keys | None = None,
+    limits: Limits | None = None,
+    gateway_cfg: GatewayConfig | None = None,
 ) -> LocalStack:
     """One engine per entry of `models` (policy -> model dir); the gateway answers to each
-    role of `roles` (role -> policy) with that policy's engine, and to each role of
-    `remote` by forwarding to its OpenAI-compatible URL."""
+    role of `roles` (role -> policy) with that policy's engine, to each role of `remote` by
+    forwarding to its OpenAI-compatible URL, and to other names as `gateway_cfg` maps them.
+    `keys` (None: open) and `limits` guard the HTTP API (tracerl.auth, tracerl.limits)."""
     engine_cfg = engine_cfg or EngineConfig()
     missing = sorted(set(roles.values()) - set(models))
     if missing:
@@ -157,6 +174,8 @@ def start_multi_stack(
         )
         for role, policy in roles.items()
     }
-    gateway = Gateway(store, served, remote=remote)
-    server = serve_in_thread(create_app(gateway), host, port)
+    names = gateway_cfg or GatewayConfig()
+    gateway = Gateway(store, served, remote=remote, aliases=names.model_aliases,
+                      default_model=names.default_model)  # fmt: skip
+    server = serve_in_thread(create_app(gateway, keys=keys, limits=limits), host, port)
     return LocalStack(store, engines, gateway, server)

@@ -2,7 +2,8 @@
 
 Calls of a sub-agent sit under the call that spawned it (the span's parent), so a planner
 that runs executors — or itself, recursively — reads as a tree. Each call shows only the
-messages its conversation had not shown yet. Each run remembers its store in
+messages its conversation had not shown yet. A status reads as what it means
+("answered", not "succeeded": see STATUS_SHOWN). Each run remembers its store in
 runs/.latest_store, so `tracerl traces` reads the last run's without being told where.
 """
 
@@ -19,7 +20,7 @@ from tracerl.store import Store
 from tracerl.store.open import is_postgres_url
 from tracerl.store.open import open_store as open_any_store
 from tracerl.store.sqlite import SqliteStore
-from tracerl.types import Rollout, Span
+from tracerl.types import Rollout, RolloutStatus, Span
 
 LATEST = Path("runs") / ".latest_store"
 """Where the last run (demo, train, eval) noted its store file, relative to the cwd."""
@@ -125,24 +126,41 @@ def show_rollout(store: Store, rollout_id: str, console: Console | None = None) 
         console.print(f"reward {r.name} ({where}): {r.value:g}")
 
 
+STATUS_SHOWN = {
+    RolloutStatus.queued: "queued",
+    RolloutStatus.running: "running",
+    RolloutStatus.succeeded: "answered",
+    RolloutStatus.failed: "error",
+    RolloutStatus.timed_out: "timed out",
+}
+"""How a lifecycle state reads. The store's names stay (they are in every database), but
+"succeeded" only means the agent returned an answer: whether it was right is the reward."""
+
+
 def _header(rollout: Rollout) -> Table:
     table = Table(show_header=False, box=None)
     for key in ("id", "task_id", "status", "attempt", "reward", "answer", "error"):
         value = getattr(rollout, key)
         if value is not None:
-            table.add_row(key, str(value.value if key == "status" else value))
+            table.add_row(key, STATUS_SHOWN[value] if key == "status" else str(value))
     if rollout.started_at and rollout.finished_at:
         table.add_row("wall", f"{rollout.finished_at - rollout.started_at:.2f} s")
     return table
 
 
 def list_rollouts(store: Store, limit: int = 20, console: Console | None = None) -> None:
-    """Print the most recent rollouts, one line each."""
+    """Print the most recent rollouts, one line each: the whole id (what `traces show`
+    takes), and the answer cut only to what the terminal's width leaves."""
     console = console or Console()
     table = Table("rollout", "task", "status", "attempt", "reward", "answer")
+    table.columns[0].no_wrap = True
+    table.columns[0].overflow = "fold"  # an id is never shortened with an ellipsis
+    table.columns[5].overflow = "ellipsis"
+    table.columns[5].no_wrap = True
     rows = store.rollouts()
     for r in rows[-limit:]:
+        answer = (r.answer or "").replace("\n", " ")
         table.add_row(
-            r.id, r.task_id, r.status.value, str(r.attempt), f"{r.reward}", str(r.answer)[:30]
+            r.id, r.task_id, STATUS_SHOWN[r.status], str(r.attempt), f"{r.reward}", answer
         )
     console.print(table)

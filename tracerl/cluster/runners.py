@@ -95,6 +95,10 @@ class RunnerActor:
         """Claim and run rollouts until the actor is killed."""
         await self.runner.run(until_idle=False)
 
+    async def pause(self, paused: bool) -> None:
+        """Stop (or resume) claiming queued rollouts."""
+        self.runner.paused = paused
+
     async def info(self) -> ActorInfo:
         """Where it runs and what it did."""
         r = self.runner
@@ -143,6 +147,19 @@ class RemoteRunners:
         """Every actor's slots together (the async source's utilisation divides by them)."""
         # The async source's thread and the training loop (metrics) both refresh.
         self._lock = threading.Lock()
+        self._paused = False
+
+    @property
+    def paused(self) -> bool:
+        """While set, no actor claims a queued rollout (an evaluation's own pool runs them)."""
+        return self._paused
+
+    @paused.setter
+    def paused(self, paused: bool) -> None:
+        self._paused = paused
+        told = [a.handle.pause.remote(paused) for a in self.actors if not a.dead]
+        if told:
+            ray.wait(told, num_returns=len(told), timeout=5.0)
 
     def start(self) -> None:
         """Start every actor's claim loop (once) and learn where each one runs."""

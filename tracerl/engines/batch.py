@@ -1,25 +1,28 @@
 """The running batch of the transformers engine: its rows, its KV cache, and their surgery.
 
 HFEngine (hf.py) decides when to admit, step and retire; this module holds what those
-steps work on. A batch is B left-padded rows sharing one DynamicCache of L columns. Rows
+steps work on (and the counters they keep, EngineStats). A batch is B left-padded rows sharing one DynamicCache of L columns. Rows
 that finish leave it (`select`), rows prefilled later join it (`merge`), and columns that
 became padding in every row are cut (`trim_left`), so a long row that left does not keep
 costing attention. Sampling (`sample`) picks each row's token with the row's own seeded
 generator and records its log-prob at the row's temperature.
 
-Also here: a request's hand-off back to the caller's event loop (`deliver`), since the
-worker thread must never touch an asyncio future directly.
+Also here: a request's hand-off back to the caller's event loop (`deliver`, and for a
+streaming request `notify` per token, read by `relay`), since the worker thread must never
+touch an asyncio future or queue directly.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import cast
 
 import torch
 import torch.nn.functional as F
+from pydantic import BaseModel, ConfigDict
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
@@ -28,6 +31,7 @@ from tracerl.types import Generation, SamplingParams
 
 __all__ = [
     "Batch",
+    "EngineStats",
     "Request",
     "Row",
     "check_request",
@@ -36,9 +40,32 @@ __all__ = [
     "left_padded",
     "merge",
     "new_row",
+    "notify",
+    "relay",
     "sample",
     "select",
 ]
+
+
+class EngineStats(BaseModel):
+    """What an HFEngine has done since it started; `HFEngine.stats` hands out copies."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    batches: int = 0
+    """Prefill forward passes; each admits every request waiting at that moment."""
+    decode_steps: int = 0
+    """Decode forward passes (one new token for every running row)."""
+    requests: int = 0
+    """Requests answered, with a Generation or an error."""
+    tokens: int = 0
+    """Completion tokens sampled."""
+    peak_rows: int = 0
+    """Most rows that ran together in one batch."""
+    running_rows: int = 0
+    """Rows in the running batch now."""
+    weight_swaps: int = 0
+    """Times new weights were switched in."""
 
 
 @dataclass
@@ -53,6 +80,8 @@ class Request:
     """Settled on `loop` with the Generation or the error."""
     loop: asyncio.AbstractEventLoop
     """The caller's event loop (the gateway's)."""
+    tokens: asyncio.Queue[int | asyncio.Future[Generation]] | None = None
+    """For a streaming request: each sampled token id, then the settled future (on `loop`)."""
 
 
 @dataclass
@@ -221,6 +250,47 @@ def deliver(request: Request, outcome: Generation | BaseException) -> None:
     # A closed loop raises RuntimeError: its caller is gone and nobody is waiting any more.
     with contextlib.suppress(RuntimeError):
         request.loop.call_soon_threadsafe(_settle, request.future, outcome)
+
+
+def notify(rows: list[Row]) -> None:
+    """Send each streaming row's newest token to its caller (from the worker thread, after
+    a step): one wake-up per event loop, however many rows stream to it."""
+    by_loop: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue, int]]] = {}
+    for row in rows:
+        if row.request.tokens is not None:
+            item = (row.request.tokens, row.completion_ids[-1])
+            by_loop.setdefault(row.request.loop, []).append(item)
+    for loop, items in by_loop.items():
+        with contextlib.suppress(RuntimeError):  # a closed loop: nobody is listening
+            loop.call_soon_threadsafe(_put_all, items)
+
+
+def _put_all(items: list[tuple[asyncio.Queue, int]]) -> None:
+    for tokens, token in items:
+        tokens.put_nowait(token)
+
+
+async def relay(request: Request) -> AsyncIterator[list[int] | Generation]:
+    """A streaming request's tokens as `notify` delivers them, then its Generation (or its
+    error). Stopping early cancels the request, so the worker drops its row."""
+    tokens, future = request.tokens, request.future
+    assert tokens is not None, "relay needs a request built with a token queue"
+    # Tokens are queued by callbacks scheduled before the one settling the future, so the
+    # future lands in the queue after the last token.
+    future.add_done_callback(tokens.put_nowait)
+    try:
+        while True:
+            items = [await tokens.get()]
+            while not tokens.empty():
+                items.append(tokens.get_nowait())
+            ids = [i for i in items if isinstance(i, int)]
+            if ids:
+                yield ids
+            if len(ids) < len(items):
+                yield future.result()
+                return
+    finally:
+        future.cancel()
 
 
 def _settle(future: asyncio.Future[Generation], outcome: Generation | BaseException) -> None:

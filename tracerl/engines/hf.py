@@ -19,12 +19,12 @@ import asyncio
 import copy
 import queue
 import threading
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import TYPE_CHECKING, cast
 
 import torch
 import torch.nn.functional as F
-from pydantic import BaseModel, ConfigDict
 from transformers import (
     AutoModelForCausalLM,
     AutoTokenizer,
@@ -35,6 +35,7 @@ from transformers import (
 
 from tracerl.engines.batch import (
     Batch,
+    EngineStats,
     Request,
     Row,
     check_request,
@@ -43,36 +44,17 @@ from tracerl.engines.batch import (
     left_padded,
     merge,
     new_row,
+    notify,
+    relay,
     sample,
     select,
 )
 from tracerl.types import Generation, SamplingParams
 
 if TYPE_CHECKING:
-    from tracerl.engines.base import Engine
+    from tracerl.engines.base import Engine, StreamingEngine
 
 __all__ = ["EngineStats", "HFEngine"]
-
-
-class EngineStats(BaseModel):
-    """What an HFEngine has done since it started; `HFEngine.stats` hands out copies."""
-
-    model_config = ConfigDict(extra="forbid")
-
-    batches: int = 0
-    """Prefill forward passes; each admits every request waiting at that moment."""
-    decode_steps: int = 0
-    """Decode forward passes (one new token for every running row)."""
-    requests: int = 0
-    """Requests answered, with a Generation or an error."""
-    tokens: int = 0
-    """Completion tokens sampled."""
-    peak_rows: int = 0
-    """Most rows that ran together in one batch."""
-    running_rows: int = 0
-    """Rows in the running batch now."""
-    weight_swaps: int = 0
-    """Times new weights were switched in."""
 
 
 class HFEngine:
@@ -132,13 +114,20 @@ class HFEngine:
         """A snapshot of what the engine has done so far."""
         return self._counters.model_copy()
 
-    async def generate(self, prompt_ids: list[int], params: SamplingParams) -> Generation:
-        """Sample one completion; concurrent calls share forward passes."""
-        self._check(prompt_ids, params)
-        loop = asyncio.get_running_loop()
-        future: asyncio.Future[Generation] = loop.create_future()
-        self._queue.put(Request(list(prompt_ids), params, future, loop))
-        return await future
+    async def generate(
+        self, prompt_ids: list[int], params: SamplingParams, *, routing_key: str | None = None
+    ) -> Generation:
+        """Sample one completion; concurrent calls share forward passes (one replica: the
+        routing key is ignored)."""
+        return await self._submit(prompt_ids, params, streaming=False).future
+
+    async def stream(
+        self, prompt_ids: list[int], params: SamplingParams
+    ) -> AsyncIterator[list[int] | Generation]:
+        """Like generate, yielding token ids as each decode step samples them, then the
+        Generation (the StreamingEngine protocol)."""
+        async for item in relay(self._submit(prompt_ids, params, streaming=True)):
+            yield item
 
     def load_weights(self, path: str | Path, version: int) -> None:
         """Serve the HF model dir `path` as `version` once the running batch has drained.
@@ -173,10 +162,16 @@ class HFEngine:
 
     # -- checks and loading ----------------------------------------------------------------
 
-    def _check(self, prompt_ids: list[int], params: SamplingParams) -> None:
+    def _submit(self, prompt_ids: list[int], params: SamplingParams, streaming: bool) -> Request:
+        """Check a request and queue it for the worker (on the caller's event loop)."""
         if self._closed:
             raise RuntimeError("engine is closed")
         check_request(prompt_ids, params, self.max_context, self._vocab_size)
+        loop = asyncio.get_running_loop()
+        tokens: asyncio.Queue | None = asyncio.Queue() if streaming else None
+        request = Request(list(prompt_ids), params, loop.create_future(), loop, tokens)
+        self._queue.put(request)
+        return request
 
     def _load_model(self, path: str | Path) -> PreTrainedModel:
         model = AutoModelForCausalLM.from_pretrained(path, dtype=self.dtype, device_map=self.device)
@@ -304,6 +299,7 @@ class HFEngine:
 
     def _sample(self, batch: Batch, logits_BV: torch.Tensor) -> None:
         sample(batch, logits_BV)
+        notify(batch.rows)
         self._counters.tokens += len(batch.rows)
 
     def _retire(self, batch: Batch) -> Batch | None:
@@ -392,5 +388,6 @@ def _eos_token_ids(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase) -
     return ids
 
 
-if TYPE_CHECKING:  # mypy checks every member against the Engine protocol
+if TYPE_CHECKING:  # mypy checks every member against the Engine protocols
     _: Engine = HFEngine("")
+    _s: StreamingEngine = HFEngine("")

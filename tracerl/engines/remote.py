@@ -1,61 +1,64 @@
-"""The Engine protocol over OpenAI-compatible vLLM servers: token ids in, token ids out.
+"""The Engine protocol over OpenAI-compatible servers: token ids in, token ids out.
 
-`generate` sends the prompt ids to `/v1/completions` (`return_token_ids`, `logprobs`) of one
-replica and answers with HFEngine's semantics: the completion ends with the end token, or
-with the token that completed a stop string (`stop_string` says which), or at max_tokens;
-log-probs are those of the sampling distribution at the request's temperature. Cancelling
-the awaiting coroutine closes the HTTP request, which aborts it on the server.
+The servers are vLLM's (tracerl.engines.vllm) or tracerl's transformers server
+(tracerl.engines.hf_server), which speaks the same subset. `generate` sends the prompt ids
+to `/v1/completions` (`return_token_ids`, `logprobs`) of one replica and answers with
+HFEngine's semantics: the completion ends with the end token, or with the token that
+completed a stop string (`stop_string` says which), or at max_tokens; log-probs are those of
+the sampling distribution at the request's temperature. Cancelling the awaiting coroutine
+closes the HTTP request, which aborts it on the server.
+
+Replicas (tracerl.engines.replicas): calls of one routing key stick to one replica, new keys
+go to the least loaded. A replica whose connection fails is taken out of service, the call
+is retried once on another (with the same seed), or fails with EngineUnavailable; a
+recovery thread brings the replica back (a subclass restarts its server) and reloads the
+current weights before it takes calls again.
 
 `load_state_dict` is the weight-sync seam: the tensors are written as safetensors into
-`weights_dir/v<version>/`, then each replica in turn drains, reloads them, forgets its
-prefix cache, and resumes. A replica stops admitting requests while it switches and every
-request is sent and answered within one version, so each Generation records exactly the
-weights that produced it; `policy_version` moves once every replica serves the new one.
+`weights_dir/v<version>/`, then each replica in service in turn drains, reloads them,
+forgets its prefix cache, and resumes. A replica stops admitting requests while it switches
+and every request is sent and answered within one version, so each Generation records
+exactly the weights that produced it; `policy_version` moves once every replica in service
+serves the new one.
 """
 
 from __future__ import annotations
 
 import asyncio
 import copy
+import logging
 import random
 import shutil
 import threading
+import time
 import weakref
-from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import httpx
-from transformers import AutoConfig, GenerationConfig, PreTrainedTokenizerBase
+from transformers import PreTrainedTokenizerBase
 
+from tracerl.engines.base import EngineUnavailable
+from tracerl.engines.replicas import Replica, ReplicaSet
 from tracerl.types import Generation, SamplingParams
 
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["RemoteEngine", "eos_token_ids"]
+__all__ = ["RemoteEngine"]
+
+log = logging.getLogger(__name__)
 
 SERVED_NAME = "policy"
 """The model name the servers answer to (--served-model-name)."""
 _POLL_S = 0.005
 """How often a request waiting for its replica to finish switching weights looks again."""
-
-
-@dataclass
-class _Replica:
-    """One server and what the client knows of it; guarded by RemoteEngine._cond."""
-
-    url: str
-    version: int
-    """Version of the weights it serves now."""
-    inflight: int = 0
-    """Requests sent to it and not yet answered."""
-    switching: bool = False
-    """New weights are being loaded: no request may be sent."""
+_RETRY_S = (1.0, 30.0)
+"""First and longest wait between two attempts to bring a replica back."""
 
 
 class RemoteEngine:
-    """Serves a policy from vLLM servers at `urls` (see the module docstring)."""
+    """Serves a policy from OpenAI-compatible servers at `urls` (see the module docstring)."""
 
     def __init__(
         self,
@@ -72,7 +75,6 @@ class RemoteEngine:
     ) -> None:
         if not urls:
             raise ValueError("a remote engine needs at least one server URL")
-        self.urls = [u.rstrip("/") for u in urls]
         self.tokenizer = tokenizer
         self.max_context = max_context
         self.eos_token_ids = list(eos_token_ids)
@@ -85,35 +87,52 @@ class RemoteEngine:
         # threads at once can fail with "Already borrowed".
         self._stop_decoder = copy.deepcopy(tokenizer)
         self._rng = random.Random(seed)
-        self._replicas = [_Replica(url, policy_version) for url in self.urls]
-        self._next = 0
-        self._cond = threading.Condition()
+        self.replicas = ReplicaSet([u.rstrip("/") for u in urls], policy_version)
         self._switch_lock = threading.Lock()
+        self._weights_path: str | None = None
+        """The weights served now (None: those the servers started with)."""
         self._sync = httpx.Client(timeout=timeout_s)
         # httpx's async pools belong to the event loop that opened them: one client per loop.
         self._clients: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, httpx.AsyncClient]
         self._clients = weakref.WeakKeyDictionary()
         self._closed = False
+        self.recoveries = 0
+        """Times a replica was brought back into service."""
+
+    @property
+    def urls(self) -> list[str]:
+        """The replicas' base URLs now."""
+        return [r.url for r in self.replicas.replicas]
 
     # -- generation --------------------------------------------------------------------
 
-    async def generate(self, prompt_ids: list[int], params: SamplingParams) -> Generation:
-        """Sample one completion on a replica; the servers batch concurrent calls."""
+    async def generate(
+        self, prompt_ids: list[int], params: SamplingParams, *, routing_key: str | None = None
+    ) -> Generation:
+        """Sample one completion on the replica of `routing_key`; the servers batch
+        concurrent calls. A replica that fails is taken out and the call retried once."""
         self._check(prompt_ids, params)
-        replica = self._pick()
-        version = await self._admit(replica)
-        try:
-            response = await self._client().post(
-                f"{replica.url}/v1/completions", json=self._body(prompt_ids, params)
-            )
-        finally:
-            self._leave(replica)
-        return self._generation(_json(response), params, version)
+        body = self._body(prompt_ids, params)  # one seed: a retry samples as the first try
+        failed: Replica | None = None
+        for _ in range(2):
+            replica, version = await self._admit(routing_key, failed)
+            try:
+                response = await self._client().post(f"{replica.url}/v1/completions", json=body)
+            except httpx.TransportError as exc:
+                if self._closed:
+                    raise RuntimeError("engine is closed") from exc
+                self.replica_failed(replica, repr(exc))
+                failed = replica
+                continue
+            finally:
+                self.replicas.leave(replica)
+            return self._generation(_json(response), params, version)
+        raise EngineUnavailable(f"replica {failed.url if failed else '?'} failed twice")
 
     def generate_sync(self, replica: int, prompt_ids: list[int], max_tokens: int = 1) -> Generation:
         """Greedy completion from one given replica, outside any event loop (checks, tests)."""
         params = SamplingParams(max_tokens=max_tokens, temperature=0.0)
-        target = self._replicas[replica]
+        target = self.replicas.replicas[replica]
         response = self._sync.post(
             f"{target.url}/v1/completions", json=self._body(prompt_ids, params)
         )
@@ -197,25 +216,18 @@ class RemoteEngine:
 
     # -- replicas ------------------------------------------------------------------------
 
-    def _pick(self) -> _Replica:
-        """Round robin (sticky routing of a rollout to one replica comes with rollout ids)."""
-        replica = self._replicas[self._next % len(self._replicas)]
-        self._next += 1
-        return replica
-
-    async def _admit(self, replica: _Replica) -> int:
-        """Count a request in on `replica` once it is not switching; its version then."""
+    async def _admit(self, key: str | None, avoid: Replica | None) -> tuple[Replica, int]:
+        """A replica for the call (not `avoid`) once it admits calls, and its version."""
         while True:
-            with self._cond:
-                if not replica.switching:
-                    replica.inflight += 1
-                    return replica.version
-            await asyncio.sleep(_POLL_S)
-
-    def _leave(self, replica: _Replica) -> None:
-        with self._cond:
-            replica.inflight -= 1
-            self._cond.notify_all()
+            if self._closed:
+                raise RuntimeError("engine is closed")
+            replica = self.replicas.pick(key, avoid)
+            if replica is None:
+                raise EngineUnavailable("no engine replica is in service; retry shortly")
+            version = self.replicas.enter(replica)
+            if version is not None:
+                return replica, version
+            await asyncio.sleep(_POLL_S)  # switching weights: look again soon
 
     def _client(self) -> httpx.AsyncClient:
         loop = asyncio.get_running_loop()
@@ -225,6 +237,59 @@ class RemoteEngine:
             client = httpx.AsyncClient(timeout=self.timeout_s, limits=limits)
             self._clients[loop] = client
         return client
+
+    def replica_failed(self, replica: Replica, why: str) -> None:
+        """Take `replica` out of service and bring it back in the background (once)."""
+        if self._closed or not self.replicas.mark_down(replica):
+            return
+        log.warning("engine replica %s is out of service: %s", replica.url, why)
+        name = f"engine-recovery-{replica.index}"
+        threading.Thread(target=self._recover, args=(replica,), name=name, daemon=True).start()
+
+    def _recover(self, replica: Replica) -> None:
+        """Revive `replica` until it is back with the current weights, or the engine closes."""
+        delay = _RETRY_S[0]
+        while not self._closed:
+            try:
+                url = self.revive(replica)
+                with self._switch_lock:  # no weight sync runs meanwhile: none is missed
+                    self._rejoin(replica, url)
+                log.warning("engine replica %s is back at version %d", url, replica.version)
+                return
+            except Exception as exc:  # keep trying: the run goes on without it
+                if self._closed:
+                    return
+                log.warning("engine replica %d not back yet (%s); retrying", replica.index, exc)
+            time.sleep(delay)
+            delay = min(2 * delay, _RETRY_S[1])
+
+    def revive(self, replica: Replica) -> str:
+        """Wait until the server of `replica` answers /health again; its URL. (A server the
+        user runs is restarted by the user; subclasses that own servers restart them.)"""
+        deadline = time.monotonic() + self.timeout_s
+        while time.monotonic() < deadline and not self._closed:
+            try:
+                if self._sync.get(f"{replica.url}/health", timeout=2.0).status_code == 200:
+                    return replica.url
+            except httpx.TransportError:
+                pass
+            time.sleep(_RETRY_S[0])
+        raise TimeoutError(f"{replica.url} did not answer /health")
+
+    def _rejoin(self, replica: Replica, url: str) -> None:
+        """Load the current weights on the revived server at `url`, check one token, and put
+        it back in service. Called with the switch lock held."""
+        version = self.policy_version
+        replica.url = url  # down: nothing else reads it meanwhile
+        if self._weights_path is not None:
+            self._reload(replica, self._weights_path, version)
+        else:
+            self._post(replica, "/update_weight_version", json={"new_version": str(version)})
+        self.generate_sync(replica.index, [self.eos_token_ids[0]])
+        if self._closed:
+            raise RuntimeError("engine is closed")
+        self.replicas.mark_up(replica, url, version)
+        self.recoveries += 1
 
     # -- weight sync ---------------------------------------------------------------------
 
@@ -238,38 +303,44 @@ class RemoteEngine:
         self.load_weights(path, version)
 
     def load_weights(self, path: str | Path, version: int) -> None:
-        """Serve the safetensors weights in directory `path` as `version` on every replica."""
+        """Serve the safetensors weights in directory `path` as `version` on every replica
+        in service; a replica out of service loads them when it comes back."""
+        resolved = str(Path(path).resolve())
         with self._switch_lock:
-            for replica in self._replicas:
-                self._switch(replica, str(Path(path).resolve()), version)
+            for replica in self.replicas.up_replicas():
+                self._switch(replica, resolved, version)
             old, self.policy_version = self.policy_version, version
+            self._weights_path = resolved
         if Path(path).parent == self.weights_dir and old != version:
             shutil.rmtree(self.weights_dir / f"v{old}", ignore_errors=True)
 
-    def _switch(self, replica: _Replica, path: str, version: int) -> None:
-        """Drain `replica`, reload its weights from `path`, and let requests in again."""
-        with self._cond:
-            replica.switching = True
-            drained = self._cond.wait_for(lambda: replica.inflight == 0, self.timeout_s)
+    def _switch(self, replica: Replica, path: str, version: int) -> None:
+        """Drain `replica`, reload its weights from `path`, and let requests in again. A
+        replica that fails meanwhile is taken out (it reloads when it comes back)."""
+        switched = False
         try:
-            if not drained:
+            if not self.replicas.drain(replica, self.timeout_s):
                 raise TimeoutError(f"{replica.url} did not drain within {self.timeout_s} s")
-            self._post(replica, "/pause", params={"mode": "wait"})
-            try:
-                rpc = {"method": "tracerl_reload_weights", "kwargs": {"weights_path": path}}
-                self._post(replica, "/collective_rpc", json=rpc)
-                self._post(replica, "/reset_prefix_cache")
-                self._post(replica, "/update_weight_version", json={"new_version": str(version)})
-            finally:
-                self._post(replica, "/resume")
-            with self._cond:
-                replica.version = version
+            self._reload(replica, path, version)
+            switched = True
+        except httpx.TransportError as exc:
+            self.replica_failed(replica, f"weight sync: {exc!r}")
         finally:
-            with self._cond:
-                replica.switching = False
-                self._cond.notify_all()
+            self.replicas.undrain(replica, version if switched else None)
 
-    def _post(self, replica: _Replica, route: str, **kwargs: Any) -> None:
+    def _reload(self, replica: Replica, path: str, version: int) -> None:
+        """The server's weight-sync sequence: pause, reload, forget cached prefixes, tag the
+        version, resume."""
+        self._post(replica, "/pause", params={"mode": "wait"})
+        try:
+            rpc = {"method": "tracerl_reload_weights", "kwargs": {"weights_path": path}}
+            self._post(replica, "/collective_rpc", json=rpc)
+            self._post(replica, "/reset_prefix_cache")
+            self._post(replica, "/update_weight_version", json={"new_version": str(version)})
+        finally:
+            self._post(replica, "/resume")
+
+    def _post(self, replica: Replica, route: str, **kwargs: Any) -> None:
         response = self._sync.post(f"{replica.url}{route}", **kwargs)
         if response.status_code != 200:
             raise RuntimeError(f"{replica.url}{route}: {response.status_code} {response.text}")
@@ -303,23 +374,5 @@ def _json(response: httpx.Response) -> dict[str, Any]:
         return dict(response.json())
     message = response.text
     if 400 <= response.status_code < 500:
-        raise ValueError(f"vLLM refused the request ({response.status_code}): {message}")
-    raise RuntimeError(f"vLLM failed ({response.status_code}): {message}")
-
-
-def eos_token_ids(model_dir: str | Path, tokenizer: PreTrainedTokenizerBase) -> list[int]:
-    """End tokens as HFEngine takes them: generation config, model config, tokenizer."""
-    try:
-        generation = GenerationConfig.from_pretrained(model_dir)
-    except OSError:
-        generation = None
-    config = AutoConfig.from_pretrained(model_dir)
-    ids: list[int] = []
-    for source in (generation, config, tokenizer):
-        candidate = getattr(source, "eos_token_id", None)
-        for token in candidate if isinstance(candidate, list) else [candidate]:
-            if token is not None and token not in ids:
-                ids.append(int(token))
-    if not ids:
-        raise ValueError("the model declares no end token (eos_token_id)")
-    return ids
+        raise ValueError(f"the server refused the request ({response.status_code}): {message}")
+    raise RuntimeError(f"the server failed ({response.status_code}): {message}")

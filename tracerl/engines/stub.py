@@ -6,7 +6,7 @@ model: no thread hop, no model, one prebuilt answer returned as is.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import AsyncIterator, Sequence
 from typing import TYPE_CHECKING
 
 from tracerl.types import Generation, SamplingParams
@@ -15,7 +15,7 @@ if TYPE_CHECKING:
     from torch import Tensor
     from transformers import PreTrainedTokenizerBase
 
-    from tracerl.engines.base import Engine
+    from tracerl.engines.base import Engine, StreamingEngine
 
 __all__ = ["StubEngine"]
 
@@ -49,7 +49,9 @@ class StubEngine:
             raise AttributeError("this StubEngine was built without a tokenizer")
         return self._tokenizer
 
-    async def generate(self, prompt_ids: list[int], params: SamplingParams) -> Generation:
+    async def generate(
+        self, prompt_ids: list[int], params: SamplingParams, *, routing_key: str | None = None
+    ) -> Generation:
         """Return the fixed completion, cut to max_tokens ("length") if it is shorter."""
         self.calls += 1
         if len(prompt_ids) >= self.max_context:
@@ -59,6 +61,15 @@ class StubEngine:
         if params.max_tokens >= len(self.completion_ids):
             return self._answer  # frozen, so one object serves every call
         return self._build(params.max_tokens)
+
+    async def stream(
+        self, prompt_ids: list[int], params: SamplingParams
+    ) -> AsyncIterator[list[int] | Generation]:
+        """The fixed completion one token at a time, then its Generation."""
+        gen = await self.generate(prompt_ids, params)
+        for token in gen.completion_ids:
+            yield [token]
+        yield gen
 
     def load_state_dict(self, state: dict[str, Tensor], version: int) -> None:
         """Record the new version; the stub has no weights to replace."""
@@ -79,3 +90,4 @@ class StubEngine:
 
 if TYPE_CHECKING:  # mypy checks every member against the Engine protocol
     _: Engine = StubEngine()
+    _s: StreamingEngine = StubEngine()

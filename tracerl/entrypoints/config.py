@@ -7,12 +7,22 @@ defaults); `serve` and `eval` share ServingConfig, what a gateway serves.
 
 from __future__ import annotations
 
+from typing import Literal
+
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from pydantic_settings import CliPositionalArg, CliSubCommand
 
 from tracerl.engines.config import EngineConfig
+from tracerl.limits import Limits
 from tracerl.pipeline.config import TrainConfig
-from tracerl.roles import PolicySpec, RoleConfig, check_local_models, resolve_roles, top_model
+from tracerl.roles import (
+    GatewayConfig,
+    PolicySpec,
+    RoleConfig,
+    check_local_models,
+    resolve_roles,
+    top_model,
+)
 from tracerl.runner import RunnerConfig
 
 __all__ = [
@@ -24,6 +34,7 @@ __all__ = [
     "SftCommand",
     "TracesCommand",
     "TracesList",
+    "TracesPrune",
     "TracesShow",
     "TrainCommand",
     "config_errors",
@@ -66,6 +77,8 @@ class ServingConfig(Command):
     """The model name the agent is told to use (the role); with `roles`, default: the first."""
     engine: EngineConfig = EngineConfig()
     """How the model is served."""
+    gateway: GatewayConfig = GatewayConfig()
+    """Model names clients hard-code, mapped to roles."""
 
     def policies(self, command: str) -> list[PolicySpec]:
         """The policies to serve: `model` as `model_name`, or each role of `roles`
@@ -88,9 +101,16 @@ class ServeCommand(ServingConfig):
     """The store: a SQLite file, or a `postgresql://` URL (many gateways and runners on many
     hosts)."""
     host: str = "127.0.0.1"
-    """Interface to listen on."""
+    """Interface to listen on; beyond loopback only with keys."""
     port: int = 8000
     """Port to listen on."""
+    keys_file: str | None = None
+    """TOML keys file (`admin = "..."`, `[runners]` id = "key"), read beside the
+    TRACERL_ADMIN_KEY / TRACERL_RUNNER_KEYS environment variables. Keys are never flags:
+    a command line is visible to every user of the machine. No keys: every route open."""
+    limits: Limits = Limits()
+    """Bounds on one request: body size and arrival time, n, max_tokens, calls in flight
+    per rollout."""
 
 
 class EvalCommand(ServingConfig):
@@ -136,19 +156,31 @@ class SftCommand(Command):
     """Supervised warm start of a local model (or a new tiny one) from demonstrations."""
 
     demos: str
-    """Demonstrations JSONL: one {"messages": [...], "tools": [...]} per line."""
+    """Demonstrations JSONL: one {"messages": [...], "tools": [...]} per line (other keys,
+    such as "id", are ignored)."""
     out: str
     """Output HF model directory."""
     base: str | None = None
     """Local HF model dir to start from; default: build a new tiny model on the demos."""
-    steps: int | None = None
-    """Optimizer steps (default: SftConfig's)."""
+    steps: int | None = Field(default=None, ge=1)
+    """Optimizer steps (default: 1000; with skill-then-habit, of the skill stage)."""
     stop_loss: float | None = None
     """Stop early once the running loss is below this (default: never)."""
-    lr: float | None = None
-    """Peak learning rate (default: SftConfig's)."""
+    lr: float | None = Field(default=None, gt=0)
+    """Peak learning rate (default: 2e-3, for the tiny model; a pretrained model wants
+    about 1e-5)."""
     seed: int = 0
     """Seed."""
+    recipe: Literal["plain", "skill-then-habit"] = "plain"
+    """'plain': one SFT. 'skill-then-habit': the skill on the clean demos into <out>-skill,
+    then a short gentle SFT into <out> where habit_rate of the demos are made to skip their
+    tools and answer a corrupted guess (a weak start RL can fix; docs/recipes.md)."""
+    habit_rate: float = Field(default=0.65, ge=0.0, le=1.0)
+    """skill-then-habit: share of the habit stage's demos that skip the tools."""
+    habit_steps: int = Field(default=150, ge=1)
+    """skill-then-habit: SFT steps of the habit stage."""
+    habit_lr: float = Field(default=2e-4, gt=0)
+    """skill-then-habit: peak learning rate of the habit stage."""
 
 
 class TracesShow(Command):
@@ -170,10 +202,27 @@ class TracesList(Command):
     """How many."""
 
 
+class TracesPrune(Command):
+    """Shrink a store: delete old finished rollouts with their spans and rewards, then
+    VACUUM. Rollouts queued or running, and those a --keep_run run still needs, stay."""
+
+    store: str | None = None
+    """Store file or postgresql:// URL (default: the last run's)."""
+    keep: int | None = Field(default=None, ge=0)
+    """Keep the N most recently finished rollouts."""
+    keep_days: float | None = Field(default=None, ge=0)
+    """Keep rollouts finished within the last D days."""
+    keep_run: list[str] = []
+    """Run directory (runs/<name>) whose pending groups and replay buffer are kept, as its
+    latest checkpoint names them; repeatable. Alone, every other finished rollout goes."""
+
+
 class TracesCommand(Command):
-    """Read recorded traces."""
+    """Read recorded traces, or prune them."""
 
     show: CliSubCommand[TracesShow]
     """Print one rollout."""
     list: CliSubCommand[TracesList]
     """List recent rollouts."""
+    prune: CliSubCommand[TracesPrune]
+    """Delete old finished rollouts a run no longer needs."""

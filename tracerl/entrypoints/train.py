@@ -27,6 +27,35 @@ def merge(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+PATH_KEYS = ("model", "tasks", "eval_tasks", "agent", "reward")
+"""Top-level keys of a config file that name files ('agent'/'reward' as 'file.py:fn')."""
+
+
+def _beside(folder: Path, value: str) -> str:
+    """`value` read relative to `folder` when it names something there ('file.py:fn' by its
+    file part); unchanged when absolute, a 'cmd:' or 'module:fn' spec, or not there."""
+    path, sep, fn = value.partition(":") if value.split(":")[0].endswith(".py") else (value, "", "")
+    if value.startswith("cmd:") or Path(path).is_absolute() or not (folder / path).exists():
+        return value
+    return str(folder / path) + sep + fn
+
+
+def file_relative(data: dict[str, Any], folder: Path) -> dict[str, Any]:
+    """A config file's paths made relative to the file's folder (a path that exists only
+    relative to the working directory keeps working as before)."""
+    out = dict(data)
+    for key in PATH_KEYS:
+        if isinstance(out.get(key), str):
+            out[key] = _beside(folder, out[key])
+    roles = dict(out.get("roles") or {})
+    for name, role in roles.items():
+        if isinstance(role, dict) and isinstance(role.get("model"), str):
+            roles[name] = {**role, "model": _beside(folder, role["model"])}
+    if roles:
+        out["roles"] = roles
+    return out
+
+
 def resolve(cmd: TrainCommand) -> TrainConfig:
     """The run's config: the resumed run's or the file's, with the flags given on top
     (SystemExit naming each bad or unknown key, or a missing essential)."""
@@ -34,7 +63,8 @@ def resolve(cmd: TrainCommand) -> TrainConfig:
     if cmd.resume:
         base = load_run_config(cmd.resume).model_dump()
     elif cmd.config:
-        base = tomllib.loads(Path(cmd.config).read_text())
+        path = Path(cmd.config)
+        base = file_relative(tomllib.loads(path.read_text()), path.resolve().parent)
     else:
         base = {}
     try:

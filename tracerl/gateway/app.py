@@ -15,20 +15,24 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 import orjson
-from fastapi import FastAPI, Request
+from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import Response, StreamingResponse
-from pydantic import BaseModel, Field, ValidationError, model_validator
+from pydantic import BaseModel, Field, TypeAdapter, ValidationError, model_validator
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from tracerl.auth import Keys, guard
+from tracerl.gateway.anthropic import register_messages
 from tracerl.gateway.chat import ChatRequest, CompletionRequest, wire_message
 from tracerl.gateway.core import Choice, Gateway, GatewayError, Served, decode, invalid
+from tracerl.gateway.responses import register_responses
+from tracerl.gateway.streaming import chat_events, completion_events
+from tracerl.gateway.wire import MODEL_CALL_DOC, PARENT_HEADER, REPLY_DOC, ROLLOUT_HEADER
+from tracerl.limits import ClientGone, Limits, LimitsMiddleware, unless_disconnected
 from tracerl.store.http import install_error_handlers, store_router
+from tracerl.store.wire import body_doc, errors_doc
 
 log = logging.getLogger(__name__)
-
-ROLLOUT_HEADER = "x-tracerl-rollout"
-PARENT_HEADER = "x-tracerl-parent"
 
 
 class RewardRequest(BaseModel):
@@ -72,45 +76,69 @@ def _rollout_id(request: Request, path_id: str | None) -> str | None:
     return path_id or request.headers.get(ROLLOUT_HEADER)
 
 
-def create_app(gateway: Gateway, with_store_api: bool = True) -> FastAPI:
-    """The FastAPI app serving the OpenAI routes (and the store's API under /store)."""
-    app = FastAPI(title="tracerl gateway", docs_url=None, redoc_url=None)
+def _check_sampling(limits: Limits, n: int, max_tokens: int | None) -> None:
+    """A 400 when a call asks for more choices or tokens than the service allows."""
+    if n > limits.max_n:
+        raise GatewayError(400, f"n must be at most {limits.max_n}", param="n", code="n_too_large")
+    if max_tokens is not None and max_tokens > limits.max_tokens:
+        message = f"max_tokens must be at most {limits.max_tokens}"
+        raise GatewayError(400, message, param="max_tokens", code="max_tokens_too_large")
+
+
+_ROUTES: dict[str, dict[str, Any]] = {
+    "chat": {"openapi_extra": body_doc(TypeAdapter(ChatRequest)), "responses": {
+        **REPLY_DOC, **MODEL_CALL_DOC, **errors_doc(502)}},
+    "complete": {"openapi_extra": body_doc(TypeAdapter(CompletionRequest)), "responses": {
+        **REPLY_DOC, **MODEL_CALL_DOC}},
+    "models": {"responses": errors_doc(404)},
+    "reward": {"openapi_extra": body_doc(TypeAdapter(RewardRequest)),
+               "responses": errors_doc(400, 404, 409)},
+}  # fmt: skip
+"""Each route's OpenAPI request body and statuses (handlers parse raw bytes themselves)."""
+
+
+def create_app(
+    gateway: Gateway,
+    with_store_api: bool = True,
+    keys: Keys | None = None,
+    limits: Limits | None = None,
+) -> FastAPI:
+    """The FastAPI app serving the OpenAI routes (and the store's API under /store), behind
+    `keys` (None: every route open, the loopback default) and `limits`."""
+    keys = keys or Keys()
+    limits = limits or Limits()
+    app = FastAPI(
+        title="tracerl gateway",
+        docs_url=None,
+        redoc_url=None,
+        # Every route, those of API modules registered below included, is behind the guard.
+        dependencies=[Depends(guard(keys, gateway.store, gateway.store_executor))],
+        responses=errors_doc(401, 403, 408, 413),
+    )
+    app.add_middleware(LimitsMiddleware, limits=limits)
     install_error_handlers(app)
-
-    @app.exception_handler(GatewayError)
-    async def _gateway_error(_: Request, e: GatewayError) -> Response:
-        return error_response(e)
-
-    @app.exception_handler(RequestValidationError)
-    async def _validation(_: Request, e: RequestValidationError) -> Response:
-        return error_response(GatewayError(400, str(e.errors()[0].get("msg", e))))
-
-    @app.exception_handler(StarletteHTTPException)
-    async def _http(_: Request, e: StarletteHTTPException) -> Response:
-        kind = "not_found_error" if e.status_code == 404 else "invalid_request_error"
-        return error_response(GatewayError(e.status_code, str(e.detail), type=kind))
-
-    @app.exception_handler(Exception)
-    async def _internal(_: Request, e: Exception) -> Response:
-        log.exception("gateway failure")
-        return error_response(GatewayError(500, f"internal error: {e}", type="server_error"))
+    _install_gateway_errors(app)
 
     async def chat(request: Request, rollout_id: str | None = None) -> Response:
         try:
             req = ChatRequest.model_validate(await _body(request))
         except ValidationError as e:
             raise invalid(e) from None
+        _check_sampling(limits, req.n, req.token_limit())
         parent = request.headers.get(PARENT_HEADER)
         usage = bool((req.stream_options or {}).get("include_usage"))
-        if req.model in gateway.remote:
-            body = await gateway.chat_remote(req, _rollout_id(request, rollout_id), parent)
+        target = _rollout_id(request, rollout_id)
+        if gateway.role(req.model) in gateway.remote:
+            body = await unless_disconnected(request, gateway.chat_remote(req, target, parent))
             if req.stream:
                 events = _reply_events(body, usage)
                 return StreamingResponse(events, media_type="text/event-stream")
             return _json(body)
-        served = await gateway.chat(req, _rollout_id(request, rollout_id), parent)
+        pending = await gateway.open_chat(req, target, parent)
         if req.stream:
-            return StreamingResponse(_chat_events(served, usage), media_type="text/event-stream")
+            events = chat_events(gateway, pending, usage)
+            return StreamingResponse(events, media_type="text/event-stream")
+        served = await unless_disconnected(request, gateway.run(pending))
         return _json(_chat_body(served, req.logprobs))
 
     async def complete(request: Request, rollout_id: str | None = None) -> Response:
@@ -118,10 +146,13 @@ def create_app(gateway: Gateway, with_store_api: bool = True) -> FastAPI:
             req = CompletionRequest.model_validate(await _body(request))
         except ValidationError as e:
             raise invalid(e) from None
+        _check_sampling(limits, req.n, req.max_tokens)
         parent = request.headers.get(PARENT_HEADER)
-        served = await gateway.complete(req, _rollout_id(request, rollout_id), parent)
+        pending = await gateway.open_complete(req, _rollout_id(request, rollout_id), parent)
         if req.stream:
-            return StreamingResponse(_completion_events(served), media_type="text/event-stream")
+            events = completion_events(gateway, pending)
+            return StreamingResponse(events, media_type="text/event-stream")
+        served = await unless_disconnected(request, gateway.run(pending))
         return _json(_completion_body(served, req.logprobs is not None))
 
     async def models(request: Request, rollout_id: str | None = None) -> Response:
@@ -144,15 +175,55 @@ def create_app(gateway: Gateway, with_store_api: bool = True) -> FastAPI:
         return _json({"ok": True, "models": gateway.names})
 
     for prefix in ("", "/rollouts/{rollout_id}"):
-        app.add_api_route(f"{prefix}/v1/chat/completions", chat, methods=["POST"])
-        app.add_api_route(f"{prefix}/v1/completions", complete, methods=["POST"])
-        app.add_api_route(f"{prefix}/v1/models", models, methods=["GET"])
-    app.add_api_route("/rollouts/{rollout_id}/reward", reward, methods=["POST"])
+        app.add_api_route(
+            f"{prefix}/v1/chat/completions", chat, methods=["POST"], **_ROUTES["chat"]
+        )
+        app.add_api_route(
+            f"{prefix}/v1/completions", complete, methods=["POST"], **_ROUTES["complete"]
+        )
+        app.add_api_route(f"{prefix}/v1/models", models, methods=["GET"], **_ROUTES["models"])
+    register_responses(app, gateway)
+    register_messages(app, gateway)
+    app.add_api_route(
+        "/rollouts/{rollout_id}/reward", reward, methods=["POST"], **_ROUTES["reward"]
+    )
     app.add_api_route("/health", health, methods=["GET"])
     if with_store_api and gateway.store is not None:
-        store_api = store_router(gateway.store, gateway.store_executor)
+        store_api = store_router(gateway.store, gateway.store_executor, keys)
         app.include_router(store_api, prefix="/store")
     return app
+
+
+def _install_gateway_errors(app: FastAPI) -> None:
+    """OpenAI-style errors for the gateway's routes; the store's keep their own shape."""
+
+    @app.exception_handler(GatewayError)
+    async def _gateway_error(_: Request, e: GatewayError) -> Response:
+        return error_response(e)
+
+    store_validation = app.exception_handlers[RequestValidationError]
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation(request: Request, e: RequestValidationError) -> Response:
+        if request.url.path.startswith("/store/"):  # the store API answers 422, as documented
+            return await store_validation(request, e)  # type: ignore[misc]
+        return error_response(GatewayError(400, str(e.errors()[0].get("msg", e))))
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(_: Request, e: StarletteHTTPException) -> Response:
+        kind = "not_found_error" if e.status_code == 404 else "invalid_request_error"
+        response = error_response(GatewayError(e.status_code, str(e.detail), type=kind))
+        response.headers.update(e.headers or {})  # a 405's Allow
+        return response
+
+    @app.exception_handler(ClientGone)
+    async def _gone(_: Request, e: ClientGone) -> Response:
+        return Response(status_code=499)  # nobody reads it: the client has left
+
+    @app.exception_handler(Exception)
+    async def _internal(_: Request, e: Exception) -> Response:
+        log.exception("gateway failure")
+        return error_response(GatewayError(500, f"internal error: {e}", type="server_error"))
 
 
 def _usage(served: Served) -> dict[str, int]:
@@ -229,48 +300,6 @@ def _sse(body: dict[str, Any]) -> bytes:
     return b"data: " + orjson.dumps(body) + b"\n\n"
 
 
-def _pieces(served: Served, c: Choice) -> list[str]:
-    """The content split at token boundaries, so chunks arrive as the model wrote them."""
-    if not c.reply.content:
-        return []
-    if c.reply.tool_calls or c.text.strip() != c.reply.content:
-        return [c.reply.content]
-    pieces: list[str] = []
-    before = ""
-    ids = c.gen.completion_ids
-    for i in range(1, len(ids) + 1):
-        now = decode(served.tokenizer, ids[:i], skip_special=True)
-        if now.startswith(before) and len(now) > len(before):
-            pieces.append(now[len(before) :])
-            before = now
-    joined = "".join(pieces)
-    # Fall back to one chunk if token-wise decoding does not reassemble the content.
-    return pieces if joined.strip() == c.reply.content and joined == c.text else [c.reply.content]
-
-
-async def _chat_events(served: Served, usage: bool) -> AsyncIterator[bytes]:
-    head = {
-        "id": served.id,
-        "object": "chat.completion.chunk",
-        "created": served.created,
-        "model": served.model,
-    }
-    for c in served.choices:
-        delta: dict[str, Any] = {"role": "assistant", "content": ""}
-        yield _sse({**head, "choices": [{"index": c.index, "delta": delta}]})
-        for piece in _pieces(served, c):
-            yield _sse({**head, "choices": [{"index": c.index, "delta": {"content": piece}}]})
-        if c.reply.tool_calls:
-            calls = wire_message(c.reply, c.call_ids)["tool_calls"]
-            delta = {"tool_calls": [{"index": i, **call} for i, call in enumerate(calls)]}
-            yield _sse({**head, "choices": [{"index": c.index, "delta": delta}]})
-        done = {"index": c.index, "delta": {}, "finish_reason": c.finish_reason}
-        yield _sse({**head, "choices": [done]})
-    if usage:
-        yield _sse({**head, "choices": [], "usage": _usage(served)})
-    yield b"data: [DONE]\n\n"
-
-
 async def _reply_events(body: dict[str, Any], usage: bool) -> AsyncIterator[bytes]:
     """A finished chat reply (a remote role's) as a stream: each choice's message in one
     delta, then its finish reason."""
@@ -289,18 +318,4 @@ async def _reply_events(body: dict[str, Any], usage: bool) -> AsyncIterator[byte
         yield _sse({**head, "choices": [done]})
     if usage and body.get("usage"):
         yield _sse({**head, "choices": [], "usage": body["usage"]})
-    yield b"data: [DONE]\n\n"
-
-
-async def _completion_events(served: Served) -> AsyncIterator[bytes]:
-    head = {
-        "id": served.id,
-        "object": "text_completion",
-        "created": served.created,
-        "model": served.model,
-    }
-    for c in served.choices:
-        yield _sse({**head, "choices": [{"index": c.index, "text": c.text, "finish_reason": None}]})
-        done = {"index": c.index, "text": "", "finish_reason": c.finish_reason}
-        yield _sse({**head, "choices": [done]})
     yield b"data: [DONE]\n\n"

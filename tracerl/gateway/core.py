@@ -24,6 +24,7 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
+from tracerl.engines.base import EngineUnavailable, collect_stream, generate_routed
 from tracerl.gateway.chat import (
     ChatRequest,
     CompletionRequest,
@@ -36,17 +37,23 @@ from tracerl.gateway.chat import (
 from tracerl.gateway.errors import GatewayError, invalid
 from tracerl.gateway.record import Call, SpanRecorder
 from tracerl.gateway.remote import RemoteError, RemoteModel
-from tracerl.gateway.served import Choice, Served, ServedModel, decode
+from tracerl.gateway.served import Choice, HistoryKey, Pending, Served, ServedModel, decode
 from tracerl.gateway.tito import History, Prompt, Turn
 from tracerl.store import Store
-from tracerl.types import Generation, Reward, SamplingParams
+from tracerl.types import Generation, Reward, Rollout, SamplingParams
 
-__all__ = ["Choice", "Gateway", "GatewayError", "Served", "ServedModel", "decode", "invalid"]
+__all__ = [
+    "Choice",
+    "Gateway",
+    "GatewayError",
+    "Pending",
+    "Served",
+    "ServedModel",
+    "decode",
+    "invalid",
+]
 
 T = TypeVar("T")
-
-HistoryKey = tuple[str, int, str, str | None]
-"""(rollout id, attempt, role, parent span id): one agent's conversation with one model."""
 
 STORE_THREADS = 4
 """Store calls in flight at once (the store serialises SQLite itself; more threads let a
@@ -60,8 +67,10 @@ class Gateway:
         self,
         store: Store | None,
         models: dict[str, ServedModel],
-        memory: int = 100_000,
+        memory: int = 2_048,
         remote: dict[str, RemoteModel] | None = None,
+        aliases: dict[str, str] | None = None,
+        default_model: str | None = None,
     ) -> None:
         self.store = store
         self.models = models
@@ -70,6 +79,14 @@ class Gateway:
         clash = sorted(set(models) & set(self.remote))
         if clash:
             raise ValueError(f"roles served both locally and remotely: {clash}")
+        self.aliases = dict(aliases or {})
+        """Model names clients hard-code (claude-sonnet-4-5, gpt-5, ...) -> the role serving them."""
+        self.default_model = default_model
+        """The role answering any other unknown name; None: unknown names get a 404."""
+        named = {*self.aliases.values(), *([default_model] if default_model else [])}
+        unknown = sorted(named - set(models) - set(self.remote))
+        if unknown:
+            raise ValueError(f"model aliases name roles nobody serves: {unknown}")
         self.store_executor = ThreadPoolExecutor(STORE_THREADS, "tracerl-store")
         """Where store calls run, the span recorder's and the /store API's."""
         self._tokenizer_thread = ThreadPoolExecutor(1, "tracerl-tokenize")
@@ -88,6 +105,12 @@ class Gateway:
         """Stop the tokenizer and store threads (after the HTTP server has stopped)."""
         self._tokenizer_thread.shutdown(wait=True, cancel_futures=True)
         self.store_executor.shutdown(wait=True, cancel_futures=True)
+
+    def role(self, name: str) -> str:
+        """The role a requested model name is served by: itself, its alias, or the default."""
+        if name in self.models or name in self.remote:
+            return name
+        return self.aliases.get(name) or self.default_model or name
 
     def model(self, name: str) -> ServedModel:
         """The served model called `name`, or a 404 (a 400 for a remote role's raw
@@ -115,31 +138,60 @@ class Gateway:
         self, req: ChatRequest, rollout_id: str | None, parent: str | None = None
     ) -> Served:
         """Serve a chat completion request; `parent` is the X-Tracerl-Parent header."""
-        served = self.model(req.model)
+        return await self.run(await self.open_chat(req, rollout_id, parent))
+
+    async def open_chat(
+        self, req: ChatRequest, rollout_id: str | None, parent: str | None = None
+    ) -> Pending:
+        """Check a chat request and build its prompt; every refusal happens here."""
+        role = self.role(req.model)
+        served = self.model(role)
         rollout = await self.recorder.rollout(rollout_id)
         parent_id = await self.recorder.parent(rollout, parent)
         # A sub-agent of the same role as its parent (a planner calling a planner) has its
         # own conversation: keying by parent keeps the parent's token history intact.
-        key = (rollout.id, rollout.attempt, req.model, parent_id) if rollout else None
+        key = (rollout.id, rollout.attempt, role, parent_id) if rollout else None
         prev = self._histories.get(key) if key else None
         messages, tools, prompt = await self._tokenize(_chat_prompt, served, req, prev)
         params = self._params(served, len(prompt.ids), req.token_limit(), req)
+        return Pending(
+            served, req.model, rollout, parent_id, key, messages, tools, prompt, params, req.n,
+            "chatcmpl", uuid.uuid4().hex,
+        )  # fmt: skip
+
+    async def count_tokens(self, req: ChatRequest) -> int:
+        """How many tokens the request's prompt holds, rendered afresh (nothing sampled)."""
+        served = self.model(self.role(req.model))
+        _, _, prompt = await self._tokenize(_chat_prompt, served, req, None)
+        return len(prompt.ids)
+
+    async def run(self, p: Pending, on_tokens: Callable[[list[int]], None] | None = None) -> Served:
+        """Sample a checked call, record its spans, and return its choices. With `on_tokens`
+        (one choice only), each batch of sampled ids is handed to it as it arrives."""
         started = time.perf_counter()
-        gens = await self._sample(served, prompt.ids, params, req.n)
+        route = _route(p.rollout, p.served.name)
+        if on_tokens is not None and p.n == 1:
+            gens = [await collect_stream(p.served.engine, p.prompt.ids, p.params, on_tokens, route)]
+        else:
+            gens = await self._sample(p.served, p.prompt.ids, p.params, p.n, route)
         latency = time.perf_counter() - started
-        choices = [self._choice(served, i, g, tools is not None) for i, g in enumerate(gens)]
-        span_id = uuid.uuid4().hex
-        if rollout is not None and key is not None:
-            self._remember(key, messages, tools, prompt, choices)
-            call = Call(span_id, req.model, parent_id, messages, prompt, params, latency)
-            await self.recorder.record(rollout, call, choices)
+        tools = p.tools is not None
+        choices = [self._choice(p.served, i, g, tools) for i, g in enumerate(gens)]
+        span_id = p.span_id
+        if p.rollout is not None:
+            if p.key is not None:
+                self._remember(p.key, p.messages, p.tools, p.prompt, choices)
+            role = p.served.name
+            call = Call(span_id, role, p.parent_id, p.messages, p.prompt, p.params, latency)
+            await self.recorder.record(p.rollout, call, choices)
         return Served(
-            id=f"chatcmpl-{span_id}",
-            model=req.model,
+            id=f"{p.kind}-{span_id}",
+            span_id=span_id,
+            model=p.model,
             created=int(time.time()),
             choices=choices,
-            prompt_tokens=len(prompt.ids),
-            tokenizer=served.tokenizer,
+            prompt_tokens=len(p.prompt.ids),
+            tokenizer=p.served.tokenizer,
         )
 
     async def chat_remote(
@@ -147,7 +199,8 @@ class Gateway:
     ) -> dict[str, Any]:
         """Forward a chat request for a remote role; record each choice as a text-only span
         (no token ids, policy version -1) and return the reply under the gateway's id."""
-        remote = self.remote[req.model]
+        role = self.role(req.model)
+        remote = self.remote[role]
         rollout = await self.recorder.rollout(rollout_id)
         parent_id = await self.recorder.parent(rollout, parent)
         messages = _messages(req)
@@ -160,7 +213,7 @@ class Gateway:
         span_id = uuid.uuid4().hex
         if rollout is not None:
             params = SamplingParams(temperature=req.temperature)
-            call = Call(span_id, req.model, parent_id, messages, Prompt([]), params, latency)
+            call = Call(span_id, role, parent_id, messages, Prompt([]), params, latency)
             await self.recorder.record_text(rollout, call, body)
         return {**body, "id": f"chatcmpl-{span_id}", "model": req.model}
 
@@ -168,28 +221,21 @@ class Gateway:
         self, req: CompletionRequest, rollout_id: str | None, parent: str | None = None
     ) -> Served:
         """Serve a raw text completion request; `parent` is the X-Tracerl-Parent header."""
-        served = self.model(req.model)
+        return await self.run(await self.open_complete(req, rollout_id, parent))
+
+    async def open_complete(
+        self, req: CompletionRequest, rollout_id: str | None, parent: str | None = None
+    ) -> Pending:
+        """Check a raw completion request and tokenize its prompt."""
+        served = self.model(self.role(req.model))
         rollout = await self.recorder.rollout(rollout_id)
         parent_id = await self.recorder.parent(rollout, parent)
         ids = await self._tokenize(_completion_ids, served, req.prompt)
-        prompt = Prompt(ids=ids)
         params = self._params(served, len(ids), req.max_tokens, req)
-        started = time.perf_counter()
-        gens = await self._sample(served, ids, params, req.n)
-        latency = time.perf_counter() - started
-        choices = [self._choice(served, i, g, False) for i, g in enumerate(gens)]
-        span_id = uuid.uuid4().hex
-        if rollout is not None:
-            call = Call(span_id, req.model, parent_id, [], prompt, params, latency)
-            await self.recorder.record(rollout, call, choices)
-        return Served(
-            id=f"cmpl-{span_id}",
-            model=req.model,
-            created=int(time.time()),
-            choices=choices,
-            prompt_tokens=len(ids),
-            tokenizer=served.tokenizer,
-        )
+        return Pending(
+            served, req.model, rollout, parent_id, None, [], None, Prompt(ids=ids), params,
+            req.n, "cmpl", uuid.uuid4().hex,
+        )  # fmt: skip
 
     async def reward(
         self,
@@ -244,15 +290,20 @@ class Gateway:
         )
 
     async def _sample(
-        self, served: ServedModel, ids: list[int], params: SamplingParams, n: int
+        self, served: ServedModel, ids: list[int], params: SamplingParams, n: int, route: str | None
     ) -> list[Generation]:
-        if n == 1:
-            return [await served.engine.generate(ids, params)]
+        """n completions; `route` keeps a rollout's calls on one engine replica."""
         seeded = [
             params if params.seed is None else params.model_copy(update={"seed": params.seed + i})
             for i in range(n)
         ]
-        return list(await asyncio.gather(*(served.engine.generate(ids, p) for p in seeded)))
+        try:
+            if n == 1:
+                return [await generate_routed(served.engine, ids, params, route)]
+            calls = (generate_routed(served.engine, ids, p, route) for p in seeded)
+            return list(await asyncio.gather(*calls))
+        except EngineUnavailable as e:  # a replica died: the agent may retry shortly
+            raise GatewayError(503, str(e), "server_error", code="engine_unavailable") from None
 
     def _choice(self, served: ServedModel, index: int, gen: Generation, tools: bool) -> Choice:
         text = served.text(gen)
@@ -308,10 +359,15 @@ def _completion_ids(served: ServedModel, prompt: str | list[int]) -> list[int]:
         ids = list(prompt)
         vocab = len(served.tokenizer)
         if any(not 0 <= t < vocab for t in ids):
-            raise GatewayError(400, f"prompt token ids must be in [0, {vocab})", "prompt")
+            raise GatewayError(400, f"prompt token ids must be in [0, {vocab})", param="prompt")
     if not ids:
         raise GatewayError(400, "prompt is empty", param="prompt")
     return ids
+
+
+def _route(rollout: Rollout | None, role: str) -> str | None:
+    """The routing key of a call: its rollout and role (None outside a rollout)."""
+    return f"{rollout.id}/{role}" if rollout is not None else None
 
 
 def _end(gen: Generation) -> str:

@@ -104,13 +104,13 @@ class SpanRecorder:
     async def parent(self, rollout: Rollout | None, value: str | None) -> str | None:
         """The span id an X-Tracerl-Parent value names; 400 when this attempt has no such call.
 
-        The value is a completion id the gateway returned (chatcmpl-..., cmpl-...) or a span
-        id. Without a rollout nothing is recorded, so the value is not checked.
+        The value is a response id the gateway returned (chatcmpl-..., cmpl-..., resp_...,
+        msg_...) or a span id. Without a rollout nothing is recorded, so the value is not checked.
         """
         if rollout is None or value is None or not value.strip():
             return None
         value = value.strip()
-        span_id = value.removeprefix("chatcmpl-").removeprefix("cmpl-")
+        span_id = _span_id(value)
         calls = await self._attempt_calls(rollout)
         if span_id not in calls.span_ids:
             # Another gateway process may have recorded it: the store is the truth.
@@ -151,6 +151,12 @@ class SpanRecorder:
             raise GatewayError(409, str(e), code="rollout_not_running") from None
 
     async def _write(self, rollout: Rollout, spans: Callable[[int], list[Span]]) -> None:
+        # Shielded: a call cancelled (its client gone) once its spans are being written
+        # still finishes the write and the seq bookkeeping, or the next call of the attempt
+        # would reuse a seq the store already holds.
+        await asyncio.shield(self._write_numbered(rollout, spans))
+
+    async def _write_numbered(self, rollout: Rollout, spans: Callable[[int], list[Span]]) -> None:
         assert self.store is not None
         calls = await self._attempt_calls(rollout)
         async with calls.lock:
@@ -180,6 +186,15 @@ class SpanRecorder:
             while len(self._calls) > self.memory:
                 self._calls.popitem(last=False)
         return calls
+
+
+def _span_id(response_id: str) -> str:
+    """The span a response id names, in any wire format: chatcmpl-<hex> / cmpl-<hex>
+    (OpenAI chat, completions), resp_<hex> (Responses), msg_<hex> (Anthropic Messages)."""
+    for prefix in ("chatcmpl-", "cmpl-", "resp_", "msg_"):
+        if response_id.startswith(prefix):
+            return response_id[len(prefix) :]
+    return response_id
 
 
 def _span(rollout: Rollout, call: Call, c: Choice, seq: int) -> Span:

@@ -1,4 +1,5 @@
-"""What the gateway serves and what one served call produced: ServedModel, Choice, Served.
+"""What the gateway serves and what one call is: ServedModel, Pending (checked, not yet
+sampled), Choice and Served (what it produced).
 
 Records only, no I/O: core.py fills them, record.py turns choices into spans, app.py writes
 them in each wire format.
@@ -12,11 +13,14 @@ from dataclasses import dataclass, field
 from transformers import PreTrainedTokenizerBase
 
 from tracerl.engines.base import Engine
-from tracerl.gateway.chat import ParsedReply
-from tracerl.gateway.tito import PromptBuilder
-from tracerl.types import Generation
+from tracerl.gateway.chat import Message, ParsedReply
+from tracerl.gateway.tito import Prompt, PromptBuilder
+from tracerl.types import Generation, Rollout, SamplingParams
 
-__all__ = ["Choice", "Served", "ServedModel", "decode"]
+__all__ = ["Choice", "Pending", "Served", "ServedModel", "decode"]
+
+HistoryKey = tuple[str, int, str, str | None]
+"""(rollout id, attempt, role, parent span id): one agent's conversation with one model."""
 
 
 @dataclass
@@ -48,7 +52,42 @@ class ServedModel:
         if gen.stop_string:
             at = text.find(gen.stop_string)
             text = text[:at] if at >= 0 else text
+        return self.hide(text)
+
+    def hide(self, text: str) -> str:
+        """Text without the special tokens agents never see (tool-call markers stay)."""
         return self._special.sub("", text) if self._special else text
+
+
+@dataclass
+class Pending:
+    """A call that passed every check and has its prompt ids, not yet sampled: what a
+    stream is opened from (a refusal must come before the first byte is sent)."""
+
+    served: ServedModel
+    """The model answering it."""
+    model: str
+    """The model name the client asked for (an alias, or the role itself)."""
+    rollout: Rollout | None
+    """The rollout attempt it is recorded under; None when not recorded."""
+    parent_id: str | None
+    """The span of the agent that spawned the caller, if any."""
+    key: HistoryKey | None
+    """Its conversation's token-history key (chat calls under a rollout), else None."""
+    messages: list[Message]
+    """Canonical messages ([] for raw completions)."""
+    tools: list[dict] | None
+    """Tools as the chat template sees them."""
+    prompt: Prompt
+    """Prompt ids and how they were built."""
+    params: SamplingParams
+    """How to sample (max_tokens already capped by the context)."""
+    n: int
+    """Number of choices."""
+    kind: str
+    """Response id prefix: 'chatcmpl' or 'cmpl'."""
+    span_id: str
+    """Id of its first choice's span, chosen up front so a stream's first chunk carries it."""
 
 
 @dataclass
@@ -75,6 +114,8 @@ class Served:
 
     id: str
     """Response id: chatcmpl-<span id> / cmpl-<span id> (the first choice's span)."""
+    span_id: str
+    """The first choice's span id (other wire formats prefix it their own way)."""
     model: str
     """Model name that answered."""
     created: int

@@ -18,7 +18,7 @@ import warnings
 from pathlib import Path
 
 import torch
-from pydantic import BaseModel, ConfigDict, Field, JsonValue
+from pydantic import BaseModel, ConfigDict, Field, JsonValue, ValidationError
 from tqdm import tqdm
 from transformers import (
     AutoModelForCausalLM,
@@ -115,9 +115,31 @@ class SftResult(_Record):
 
 
 def load_demos(path: str | Path) -> list[Demo]:
-    """Read demonstrations from JSONL, one {"messages": [...], "tools": [...]} per line."""
-    lines = Path(path).read_text().splitlines()
-    return [Demo.model_validate_json(line) for line in lines if line.strip()]
+    """Read demonstrations from JSONL, one {"messages": [...], "tools": [...]} per line.
+
+    Other keys of a line (an "id", a "family", ...) are bookkeeping and ignored; a line
+    that is not a demonstration is a ValueError naming the line and what is wrong."""
+    demos = []
+    for n, line in enumerate(Path(path).read_text().splitlines(), start=1):
+        if not line.strip():
+            continue
+        try:
+            raw = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{path}:{n}: not valid JSON ({e.msg})") from None
+        if not isinstance(raw, dict) or "messages" not in raw:
+            raise ValueError(f'{path}:{n}: each line must be an object with "messages"')
+        try:
+            demos.append(
+                Demo.model_validate({k: raw[k] for k in ("messages", "tools") if k in raw})
+            )
+        except ValidationError as e:
+            err = e.errors()[0]
+            where = ".".join(str(part) for part in err["loc"])
+            raise ValueError(f"{path}:{n}: {where}: {err['msg']}") from None
+    if not demos:
+        raise ValueError(f"{path}: no demonstrations")
+    return demos
 
 
 def _dict_arguments(message: dict[str, JsonValue]) -> dict[str, JsonValue]:

@@ -167,8 +167,11 @@ class AsyncSource:
         self._thread = None
 
     def pause(self, paused: bool) -> None:
-        """Stop (or resume) issuing new groups, e.g. while a held-out evaluation runs."""
+        """Stop (or resume) issuing new groups and claiming queued rollouts, e.g. while a
+        held-out evaluation runs: its own pool then runs every evaluation rollout (and its
+        progress bar sees each one finish) instead of sharing them with this runner."""
         self.paused = paused
+        self.runner.paused = paused
 
     # -- taking batches (the trainer's thread) -----------------------------------------
 

@@ -55,6 +55,8 @@ class Checkpoints:
         self.root = run_dir / "checkpoints"
         self.ledger = run_dir / "trained.jsonl"
         self.keep = keep
+        self.pinned: set[int] = set()
+        """Steps whose checkpoints pruning keeps (the best held-out one)."""
 
     @staticmethod
     def _dirs(trainers: Trainers, path: Path) -> list[tuple[Trainer | Leader, Path]]:
@@ -99,7 +101,17 @@ class Checkpoints:
             key=lambda p: int(p.name.split("-")[1]),
         )
         for old in done[: -self.keep]:
-            shutil.rmtree(old, ignore_errors=True)
+            if int(old.name.split("-")[1]) not in self.pinned:
+                shutil.rmtree(old, ignore_errors=True)
+
+    def pin(self, step: int) -> None:
+        """Keep step `step`'s checkpoint from pruning, and let the one pinned before go."""
+        self.pinned = {step}
+        self._prune()
+
+    def exists(self, step: int) -> bool:
+        """Whether a complete checkpoint of `step` is on disk."""
+        return (self.root / f"step-{step}" / "pipeline.json").exists()
 
     def latest(self) -> Path | None:
         """The newest complete checkpoint, if any."""

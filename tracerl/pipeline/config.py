@@ -6,18 +6,25 @@ once; `tracerl train` and `tracerl demo` are generated from it. Torch-free.
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from tracerl.algorithms.config import AlgorithmConfig, CurationConfig
 from tracerl.cluster.config import ClusterConfig
 from tracerl.engines.config import EngineConfig
-from tracerl.roles import PolicySpec, RoleConfig, check_local_models, policy_specs, top_model
+from tracerl.roles import (
+    GatewayConfig,
+    PolicySpec,
+    RoleConfig,
+    check_local_models,
+    policy_specs,
+    top_model,
+)
 from tracerl.runner import RunnerConfig
 from tracerl.trainer.config import TrainerConfig
 
-__all__ = ["PipelineConfig", "TrainConfig"]
+__all__ = ["GuardConfig", "PipelineConfig", "TrainConfig"]
 
 
 class PipelineConfig(BaseModel):
@@ -54,6 +61,45 @@ class PipelineConfig(BaseModel):
     """Checkpoints kept on disk."""
     seed: int = 0
     """Seed of the task order."""
+
+
+class GuardConfig(BaseModel):
+    """Guard rails (tracerl.pipeline.guards, tracerl.pipeline.preflight): each on by default
+    but rollback, each logged under guard/ and as a warning in the progress line."""
+
+    model_config = ConfigDict(use_attribute_docstrings=True, extra="forbid")
+
+    preflight: bool = True
+    """Before training, run `preflight_tasks` training tasks x group_size and report reward
+    variance, rollouts failing with errors, prompts near the context limit and what the
+    failures look like; refuse to train when the reward never varies."""
+    preflight_tasks: int = Field(default=8, ge=1)
+    """Training tasks the pre-flight check runs (each group_size times)."""
+    keep_best: bool = True
+    """Keep the checkpoint of the best held-out evaluation (before training counts) and
+    export it as model/, the last weights as model-last/."""
+    window: int = Field(default=3, ge=1)
+    """Steps in the train reward's rolling mean, and the steps whose median is the
+    baseline of entropy, KL and length."""
+    reward_drop: float = Field(default=0.2, gt=0)
+    """Warn (collapse) when the train reward's rolling mean falls this far below its best."""
+    success_drop: float = Field(default=0.15, gt=0)
+    """Warn (collapse) when a held-out evaluation falls this far below the best one."""
+    entropy_ratio: float = Field(default=0.25, gt=0, le=1)
+    """Warn when the sampled tokens' entropy estimate falls below this times its start."""
+    length_ratio: float = Field(default=0.5, gt=0, le=1)
+    """Warn when sampled tokens per rollout fall below this times their start."""
+    kl_ratio: float = Field(default=10.0, gt=1)
+    """Warn when KL(behaviour || current) exceeds this times its start ..."""
+    kl_floor: float = Field(default=0.05, ge=0)
+    """... and this absolute value (KL is ~0 in a synchronous run with one mini-batch)."""
+    rollback: bool = False
+    """On a collapse (a train reward or held-out success drop), restore the best checkpoint
+    and multiply the learning rate by `lr_factor`."""
+    lr_factor: float = Field(default=0.5, gt=0, le=1)
+    """Learning-rate multiplier applied at each rollback."""
+    max_rollbacks: int = Field(default=2, ge=0)
+    """Rollbacks at most per run; later collapses are only warned about."""
 
 
 class TrainConfig(BaseModel):
@@ -95,18 +141,40 @@ class TrainConfig(BaseModel):
     curation: CurationConfig = CurationConfig()
     """Data curation: dynamic sampling, replay, adaptive group size, conditional advantage
     (each off by default)."""
-    trainer: TrainerConfig = TrainerConfig()
-    """Policy update."""
+    trainer: TrainerConfig = TrainerConfig(
+        lr=3e-4, minibatches=2, warmup_steps=5, schedule="cosine"
+    )
+    """Policy update. Run defaults (docs/recipes.md has the measurements): lr 3e-4 with 5
+    warmup steps and cosine decay to 10% over the run (the end settles instead of
+    drifting), two PPO mini-batches per step (the second makes the clip bite)."""
     runner: RunnerConfig = RunnerConfig()
     """How rollouts are run."""
     engine: EngineConfig = EngineConfig()
     """How the policy is served."""
+    guard: GuardConfig = GuardConfig()
+    """Guard rails: pre-flight check, best checkpoint, collapse detection, rollback."""
+    gateway: GatewayConfig = GatewayConfig()
+    """Model names the agent's clients hard-code, mapped to roles."""
     device: str = Field(default="cpu")
     """torch device of the trainer ("cpu", "cuda", "cuda:1"); the engine's too unless
     engine.device is given: one switch moves the run to a GPU."""
     cluster: ClusterConfig = ClusterConfig()
     """Past one machine: Ray places the runners and trainer ranks (`--cluster.address`);
     off by default, and Ray is then never imported."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _sections_keep_run_defaults(cls, data: Any) -> Any:
+        # `[trainer] lr = 1e-4` (or `--trainer.lr`) arrives as {"trainer": {"lr": ...}}:
+        # the section's other fields keep the run's defaults above, not the section
+        # class's own.
+        if not isinstance(data, dict):
+            return data
+        out = dict(data)
+        for name, field in cls.model_fields.items():
+            if isinstance(field.default, BaseModel) and isinstance(out.get(name), dict):
+                out[name] = field.default.model_dump(exclude_unset=True) | out[name]
+        return out
 
     @model_validator(mode="after")
     def _engine_follows_device(self) -> TrainConfig:

@@ -33,13 +33,17 @@ from tracerl.algorithms.curation import Curation
 from tracerl.engines.config import EngineConfig
 from tracerl.evaluate import EvalReport, evaluate, load_tasks
 from tracerl.gateway.remote import RemoteModel
-from tracerl.metrics import MetricsLog, plot_pipeline, plot_rewards, step_values
+from tracerl.metrics import MetricsLog, Values, plot_pipeline, plot_rewards, step_values
 from tracerl.pipeline.async_source import AsyncSource
 from tracerl.pipeline.checkpoints import Checkpoints
 from tracerl.pipeline.config import TrainConfig
+from tracerl.pipeline.control import Control
+from tracerl.pipeline.export import Exported, export_outputs
+from tracerl.pipeline.guards import Guards
+from tracerl.pipeline.preflight import PreflightReport, preflight
 from tracerl.pipeline.sources import Agents, RolloutSource, SyncSource, TaskOrder
 from tracerl.pipeline.step import Pipeline, Policy
-from tracerl.roles import PolicySpec, remote_roles
+from tracerl.roles import GatewayConfig, PolicySpec, remote_roles
 from tracerl.runner import AgentFn, RewardFn, load_agent, load_callable
 from tracerl.stack import LocalStack, start_multi_stack
 from tracerl.trainer.config import TrainerConfig
@@ -56,7 +60,8 @@ class TrainSummary(BaseModel):
     success_before: float | None
     """Held-out success before training (None when skipped)."""
     success_after: float
-    """Held-out success after training."""
+    """Held-out success of the exported model (model/): the best held-out checkpoint with
+    guard.keep_best, else the last weights."""
     steps: int
     """Training steps done in total."""
     rollouts_trained: int
@@ -65,6 +70,14 @@ class TrainSummary(BaseModel):
     """Wall time of this invocation."""
     run_dir: str
     """Where the outputs are."""
+    model: Exported | None = None
+    """Which weights were exported where, the best and the last, with their scores."""
+    evals: dict[int, float] = {}
+    """Held-out success by step (periodic evaluations use the first eval_size tasks)."""
+    warnings: list[str] = []
+    """The guard rails' warnings (pre-flight, collapse signals, rollbacks), in order."""
+    preflight: PreflightReport | None = None
+    """What the pre-flight groups showed (None when it was off or the run resumed)."""
 
 
 def start_roles_stack(
@@ -74,11 +87,14 @@ def start_roles_stack(
     engine: EngineConfig,
     host: str = "127.0.0.1",
     port: int = 0,
+    gateway: GatewayConfig | None = None,
 ) -> LocalStack:
     """Serve every policy's roles from its own engine and the remote roles by forwarding."""
     models: dict[str, str | Path] = {p.name: p.model for p in specs}
     roles = {role: p.name for p in specs for role in p.roles}
-    return start_multi_stack(models, roles, store_path, engine, host, port, remote=remote)
+    return start_multi_stack(
+        models, roles, store_path, engine, host, port, remote, gateway_cfg=gateway
+    )
 
 
 def split_tasks(cfg: TrainConfig) -> tuple[list[Task], list[Task]]:
@@ -145,6 +161,8 @@ class _Run:
     source: RolloutSource
     pipeline: Pipeline
     held_out: list[Task]
+    train_tasks: list[Task]
+    guards: Guards
     started: float
     eval_s: float = 0.0
     extra: Callable[[], dict[str, float]] = field(default=dict)
@@ -166,6 +184,17 @@ class _Run:
             self.eval_s += time.perf_counter() - t0
         return report.success_rate
 
+    def preflight(self) -> PreflightReport:
+        """The pre-flight groups on the first training tasks (PreflightError: refused)."""
+        g, engine = self.cfg.guard, self.pipeline.policies[0].engine
+        report = preflight(
+            self.stack.store, self.agents, self.train_tasks[: g.preflight_tasks],
+            self.cfg.pipeline.group_size, engine.max_context, self.cfg.success_threshold,
+        )  # fmt: skip
+        (self.run_dir / "preflight.json").write_text(report.model_dump_json(indent=2))
+        self.guards.warned += [f"preflight: {w}" for w in report.warnings]
+        return report
+
 
 def train(
     cfg: TrainConfig,
@@ -185,8 +214,10 @@ def train(
     with ExitStack() as exits:  # unwinds in reverse: source first, serving stack last
         specs = cfg.policies()
         store = cfg.store or run_dir / "traces.db"
-        host = cfg.cluster.gateway_host
-        stack = start_roles_stack(specs, remote_roles(cfg.roles), store, cfg.engine, host)
+        stack = start_roles_stack(
+            specs, remote_roles(cfg.roles), store, cfg.engine, cfg.cluster.gateway_host,
+            gateway=cfg.gateway,
+        )  # fmt: skip
         exits.callback(stack.close)
         log = MetricsLog(run_dir)
         exits.callback(log.close)
@@ -216,7 +247,11 @@ def train(
             source, stack.store, policies, cfg.algorithm.build(), curation, checkpoints,
             cfg.pipeline, cfg.success_threshold,
         )  # fmt: skip
-        run = _Run(cfg, run_dir, stack, log, agents, source, pipeline, held_out, started)
+        guards = Guards(cfg.guard, run_dir, pipeline)
+        run = _Run(
+            cfg, run_dir, stack, log, agents, source, pipeline, held_out, train_tasks, guards,
+            started,
+        )  # fmt: skip
         run.extra = extra
         if resume:
             # The previous process's runners are dead: their leases will not be renewed.
@@ -226,74 +261,70 @@ def train(
 
 
 def _loop(run: _Run) -> TrainSummary:
-    """Evaluate, train step by step (logging, plotting, periodic evals), evaluate, export."""
-    cfg, pipeline = run.cfg, run.pipeline
-    before = None
+    """Check the start, evaluate, train step by step (logging, plotting, periodic evals,
+    guard rails), evaluate, export the best and the last model."""
+    cfg, pipeline, guards = run.cfg, run.pipeline, run.guards
+    before, checked = None, None
+    if cfg.guard.preflight and pipeline.step == 0:
+        checked = run.preflight()
     if cfg.eval_before and pipeline.step == 0:
         before = run.evaluate(run.held_out, "eval before")
-        run.log.log(0, {"eval/success": before})
+        first: Values = {"eval/success": before, "eval/size": len(run.held_out)}
+        run.log.log(0, first | guards.on_eval(0, before))
     bar = tqdm(total=cfg.pipeline.steps, initial=pipeline.step, desc="train", unit="step")
-    while pipeline.step < cfg.pipeline.steps:
+    # Live control (tracerl ctl, the dashboard): commands applied between steps.
+    control = Control(run.run_dir, cfg, pipeline)
+    while pipeline.step < cfg.pipeline.steps and control.between_steps(bar):
         report = pipeline.run_step()
-        values = step_values(report)
+        values = step_values(report) | guards.on_step(report)
         values["time/wall_s"] = time.perf_counter() - run.started
         values["time/train_wall_s"] = time.perf_counter() - run.started - run.eval_s
         values |= run.extra()
         every = cfg.pipeline.eval_every
         if every and report.step % every == 0 and report.step < cfg.pipeline.steps:
             subset = run.held_out[: cfg.pipeline.eval_size]
-            values["eval/success"] = run.evaluate(subset, f"eval step {report.step}")
-        run.log.log(report.step, values)
+            success = run.evaluate(subset, f"eval step {report.step}")
+            values |= {"eval/success": success, "eval/size": len(subset)}
+            values |= guards.on_eval(report.step, success)
+        values |= guards.respond()
+        run.log.log(report.step, values | control.metrics())
         bar.update(1)
         bar.set_postfix(
             reward=f"{report.reward:.2f}",
             success=f"{report.success:.2f}",
             tok_s=f"{report.train.tokens_per_s:.0f}",
+            **({"guard": guards.postfix()} if guards.postfix() else {}),
         )
         plot_rewards(run.log.path, run.run_dir / "reward.png", cfg.name)
     bar.close()
+    return _finish(run, before, checked)
+
+
+def _finish(run: _Run, before: float | None, checked: PreflightReport | None) -> TrainSummary:
+    """The final evaluation, the plots, the exported models and summary.json."""
+    cfg, pipeline = run.cfg, run.pipeline
     after = run.evaluate(run.held_out, "eval after")
-    run.log.log(pipeline.step, {"eval/success": after, "eval/final": after})
+    values: Values = {"eval/success": after, "eval/final": after, "eval/size": len(run.held_out)}
+    run.log.log(pipeline.step, values | run.guards.on_eval(pipeline.step, after))
     plot_rewards(run.log.path, run.run_dir / "reward.png", cfg.name)
     plot_pipeline(run.log.path, run.run_dir / "pipeline.png", cfg.name)
-    _export(pipeline.policies, run.run_dir)
+    exported = export_outputs(
+        pipeline, run.guards, run.run_dir, after, lambda label: run.evaluate(run.held_out, label)
+    )
     summary = TrainSummary(
         success_before=before,
-        success_after=after,
+        success_after=exported.model_success,
         steps=pipeline.step,
         rollouts_trained=pipeline.rollouts_trained,
         wall_s=time.perf_counter() - run.started,
         run_dir=str(run.run_dir),
+        model=exported,
+        evals=run.guards.best.evals,
+        warnings=run.guards.warned,
+        preflight=checked,
     )
     (run.run_dir / "summary.json").write_text(summary.model_dump_json(indent=2))
     return summary
-
-
-def _export(policies: list[Policy], run_dir: Path) -> None:
-    """model/ for a single policy, models/<policy>/ for each of several."""
-    if len(policies) == 1:
-        _save_outputs(policies[0], run_dir / "model")
-        return
-    for policy in policies:
-        _save_outputs(policy, run_dir / "models" / policy.name)
-
-
-def _save_outputs(policy: Policy, out: Path) -> None:
-    """`out`: an HF model dir (full FT) or a peft adapter (LoRA); with LoRA also
-    `<out>-merged`, a plain HF model dir any tool (or `tracerl eval`) loads directly."""
-    tokenizer = policy.engine.tokenizer
-    trainer = policy.trainer
-    trainer.save_model(out)
-    tokenizer.save_pretrained(str(out))
-    if trainer.cfg.lora is None:
-        return
-    from transformers import AutoModelForCausalLM
-
-    merged_dir = out.with_name(out.name + "-merged")
-    merged = AutoModelForCausalLM.from_pretrained(trainer.model_dir)
-    merged.load_state_dict(trainer.engine_state_dict())
-    merged.save_pretrained(str(merged_dir))
-    tokenizer.save_pretrained(str(merged_dir))
 
 
 def load_run_config(run_dir: str | Path) -> TrainConfig:

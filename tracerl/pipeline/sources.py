@@ -109,6 +109,8 @@ class RolloutRunner(Protocol):
 
     cfg: RunnerConfig
     """Its settings; `concurrency` counts every slot it runs."""
+    paused: bool
+    """While set, no queued rollout is claimed (running ones go on)."""
 
     @property
     def busy_s(self) -> float:

@@ -25,6 +25,7 @@ from tracerl.algorithms.rows import rows_for
 from tracerl.engines.base import Engine
 from tracerl.pipeline.checkpoints import Checkpoints, PipelineState, Trainers
 from tracerl.pipeline.config import PipelineConfig
+from tracerl.pipeline.guards import BatchStats, batch_stats
 from tracerl.pipeline.sources import RolloutSource, SourceStats
 from tracerl.store import Store
 from tracerl.trainer.lead import Leader
@@ -47,6 +48,13 @@ class Policy:
     """Its trainer: a Trainer, or rank 0's Leader of data-parallel ranks."""
     engine: Engine
     roles: list[str]
+
+    def local_trainer(self) -> Trainer:
+        """The trainer, for changes made to its optimizer in place (rollback, a new lr): a
+        Leader's ranks would each need them, which they do not receive yet."""
+        if not isinstance(self.trainer, Trainer):
+            raise NotImplementedError("data-parallel ranks take no optimizer changes mid-run")
+        return self.trainer
 
 
 @dataclass
@@ -71,6 +79,8 @@ class StepReport:
     """Rows of frozen roles (recorded, not trained)."""
     role_rows: dict[str, int] = field(default_factory=dict)
     """Rows of each role in the batch (after alignment, if any)."""
+    batch: BatchStats = field(default_factory=BatchStats)
+    """What the guard rails read of the batch: mixed groups, entropy, lengths, errors."""
 
 
 class Pipeline:
@@ -172,15 +182,19 @@ class Pipeline:
         self._serve()  # the engines switch first: generation goes on while we checkpoint
         checkpoint = self.step % self.cfg.checkpoint_every == 0 or self.step == self.cfg.steps
         if checkpoint:
-            state = PipelineState(
-                step=self.step,
-                rollouts_trained=self.rollouts_trained,
-                source=self.source.state(),
-                curation=self.curation.state(),
-            )
-            self.checkpoints.save(self.trainers, state)
+            self.save_checkpoint()
         self._record_versions(checkpoint)
         return self._report(groups, rows, per_policy, generated)
+
+    def save_checkpoint(self) -> None:
+        """Checkpoint the trainers and the pipeline's state as of `self.step`."""
+        state = PipelineState(
+            step=self.step,
+            rollouts_trained=self.rollouts_trained,
+            source=self.source.state(),
+            curation=self.curation.state(),
+        )
+        self.checkpoints.save(self.trainers, state)
 
     def _report(
         self,
@@ -206,4 +220,5 @@ class Pipeline:
             policies=per_policy,
             frozen_rows=sum(r.role not in trained_roles for r in rows),
             role_rows=dict(Counter(r.role for r in rows)),
+            batch=batch_stats(groups),
         )

@@ -24,6 +24,7 @@ __all__ = [
     "SqliteStore",
     "Store",
     "StoreError",
+    "StoreUnavailable",
     "connect",
 ]
 
@@ -34,6 +35,11 @@ class StoreError(Exception):
     def __init__(self, message: str) -> None:
         super().__init__(message)
         self.message = message
+
+
+class StoreUnavailable(StoreError):
+    """The store could not be reached (a remote store restarting, the network): the call
+    may be retried; nothing was changed by it on the caller's side."""
 
 
 class NotFound(StoreError):

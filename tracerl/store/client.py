@@ -3,10 +3,17 @@
 It has the same methods and return types as SqliteStore and raises the same StoreError
 subclasses (named in the server's error JSON), so code written against Store works
 unchanged. The server side is http.py; what both send is wire.py.
+
+A service with keys wants one on every call: the client sends `api_key` (default: the
+TRACERL_API_KEY environment variable, so the key never sits on a command line) as
+`Authorization: Bearer`. A runner key's claims come back with each attempt's agent key.
 """
 
 from __future__ import annotations
 
+import os
+import threading
+from collections import OrderedDict
 from collections.abc import Mapping
 from typing import TYPE_CHECKING
 
@@ -14,8 +21,9 @@ import httpx
 import orjson
 from pydantic import BaseModel
 
-from tracerl.store import StoreError
+from tracerl.store import StoreError, StoreUnavailable
 from tracerl.store.wire import (
+    CLAIMED,
     COUNTS,
     ERRORS,
     REWARDS,
@@ -36,6 +44,9 @@ if TYPE_CHECKING:
 
 __all__ = ["StoreClient"]
 
+AGENT_KEYS_KEPT = 100_000
+"""Agent keys of claimed attempts remembered (the oldest go first)."""
+
 
 def _raise_for(resp: httpx.Response) -> None:
     """Raise the StoreError subclass named in the error JSON (StoreError for anything else)."""
@@ -52,10 +63,15 @@ def _raise_for(resp: httpx.Response) -> None:
 class StoreClient:
     """A Store reached over HTTP; thread-safe, one keep-alive connection pool."""
 
-    def __init__(self, base_url: str, timeout: float = 30.0) -> None:
-        """`base_url` is the server root (http://host:port); a trailing /store is accepted."""
+    def __init__(self, base_url: str, timeout: float = 30.0, api_key: str | None = None) -> None:
+        """`base_url` is the server root (http://host:port); a trailing /store is accepted.
+        `api_key` defaults to $TRACERL_API_KEY (none: calls carry no key)."""
         root = base_url.rstrip("/").removesuffix("/store")
-        self._http = httpx.Client(base_url=f"{root}/store", timeout=timeout)
+        key = api_key if api_key is not None else os.environ.get("TRACERL_API_KEY")
+        headers = {"authorization": f"Bearer {key}"} if key else None
+        self._http = httpx.Client(base_url=f"{root}/store", timeout=timeout, headers=headers)
+        self._agent_keys: OrderedDict[tuple[str, int], str] = OrderedDict()
+        self._lock = threading.Lock()  # claims run on worker threads
 
     def _call(
         self,
@@ -65,7 +81,10 @@ class StoreClient:
         params: Mapping[str, str | int] | None = None,
     ) -> bytes:
         headers = {"content-type": "application/json"} if content is not None else None
-        resp = self._http.request(method, path, content=content, params=params, headers=headers)
+        try:
+            resp = self._http.request(method, path, content=content, params=params, headers=headers)
+        except httpx.TransportError as e:  # refused, reset, timed out: a restarting store
+            raise StoreUnavailable(f"store at {self._http.base_url} unreachable: {e}") from e
         if resp.status_code >= 400:
             _raise_for(resp)
         return resp.content
@@ -90,8 +109,22 @@ class StoreClient:
         return ROLLOUTS.validate_json(self._post("/rollouts", body))
 
     def claim(self, runner_id: str, n: int = 1, lease_s: float = 30.0) -> list[Rollout]:
+        """Claimed rollouts (plain Rollouts, as every Store returns); each one's agent key
+        is kept for `agent_key`."""
         body = ClaimRequest(runner_id=runner_id, n=n, lease_s=lease_s)
-        return ROLLOUTS.validate_json(self._post("/claim", body))
+        claimed = CLAIMED.validate_json(self._post("/claim", body))
+        with self._lock:
+            for c in claimed:
+                if c.agent_key is not None:
+                    self._agent_keys[(c.id, c.attempt)] = c.agent_key
+            while len(self._agent_keys) > AGENT_KEYS_KEPT:
+                self._agent_keys.popitem(last=False)
+        return [Rollout.model_validate(c.model_dump(exclude={"agent_key"})) for c in claimed]
+
+    def agent_key(self, rollout_id: str, attempt: int) -> str | None:
+        """The agent key minted with this client's claim of the attempt (None: unknown)."""
+        with self._lock:
+            return self._agent_keys.get((rollout_id, attempt))
 
     def heartbeat(self, rollout_id: str, attempt: int, lease_s: float = 30.0) -> Rollout:
         body = HeartbeatRequest(attempt=attempt, lease_s=lease_s)
@@ -121,7 +154,11 @@ class StoreClient:
         body = FinishRequest(
             attempt=attempt, status=status, answer=answer, reward=reward, error=error
         )
-        return Rollout.model_validate_json(self._post(f"/rollouts/{rollout_id}/finish", body))
+        try:
+            return Rollout.model_validate_json(self._post(f"/rollouts/{rollout_id}/finish", body))
+        finally:
+            with self._lock:
+                self._agent_keys.pop((rollout_id, attempt), None)
 
     def spans(self, rollout_id: str, attempt: int | None = None) -> list[Span]:
         params = None if attempt is None else {"attempt": attempt}

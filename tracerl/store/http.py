@@ -21,21 +21,24 @@ from __future__ import annotations
 
 import asyncio
 import functools
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from concurrent.futures import Executor
 from typing import Annotated, Any, TypeVar
 
-from fastapi import APIRouter, FastAPI, Query, Request, Response
+from fastapi import APIRouter, Depends, FastAPI, Query, Request, Response
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, TypeAdapter, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from tracerl.auth import AccessDenied, Keys, guard
+from tracerl.limits import Limits, LimitsMiddleware
 from tracerl.store import Store, StoreError
 from tracerl.store.client import StoreClient
 from tracerl.store.wire import (
     ATTEMPT_MAX,
     CLAIM,
+    CLAIMED,
     COUNTS,
     ENQUEUE,
     FINISH,
@@ -50,9 +53,12 @@ from tracerl.store.wire import (
     STATUS,
     TASKS,
     VERSION,
+    Claimed,
+    body_doc,
+    errors_doc,
     out_of_range,
 )
-from tracerl.types import RolloutStatus
+from tracerl.types import PolicyVersion, Reward, Rollout, RolloutStatus, Span, Task
 
 __all__ = [
     "StoreClient",
@@ -89,35 +95,49 @@ async def _parse(request: Request, adapter: TypeAdapter[T]) -> T:
     return value
 
 
-def store_router(store: Store, executor: Executor | None = None) -> APIRouter:
+def store_router(
+    store: Store, executor: Executor | None = None, keys: Keys | None = None
+) -> APIRouter:
     """The store API; mount it with prefix '/store' (create_store_app does).
 
-    Store calls run on `executor` (None: the event loop's default executor)."""
-    r = APIRouter()
+    Store calls run on `executor` (None: the event loop's default executor). `keys` mints
+    each claimed attempt's agent key (a random secret when None); who may call what is
+    the app's guard (tracerl.auth), not the router's."""
+    # Every store route may answer 422 in the store's error shape (FastAPI's default entry
+    # describes its own shape, which this API never sends).
+    r = APIRouter(responses=errors_doc(422))
+    keys = keys or Keys()
 
     async def call(fn: Callable[..., T], *args: Any) -> T:
         loop = asyncio.get_running_loop()
         return await loop.run_in_executor(executor, functools.partial(fn, *args))
 
-    @r.post("/tasks", status_code=204)
+    @r.post(
+        "/tasks", status_code=204, responses=errors_doc(409, 422), openapi_extra=body_doc(TASKS)
+    )
     async def add_tasks(request: Request) -> Response:
         await call(store.add_tasks, await _parse(request, TASKS))
         return Response(status_code=204)
 
-    @r.get("/tasks")
+    @r.get("/tasks", response_model=list[Task], responses=errors_doc(422))
     async def tasks(split: str | None = None) -> Response:
         return _json(TASKS, await call(store.tasks, split))
 
-    @r.get("/tasks/{task_id}")
+    @r.get("/tasks/{task_id}", response_model=Task, responses=errors_doc(404))
     async def get_task(task_id: str) -> Response:
         return _one(await call(store.get_task, task_id))
 
-    @r.post("/rollouts")
+    @r.post(
+        "/rollouts",
+        response_model=list[Rollout],
+        responses=errors_doc(404, 422),
+        openapi_extra=body_doc(ENQUEUE),
+    )
     async def enqueue(request: Request) -> Response:
         b = await _parse(request, ENQUEUE)
         return _json(ROLLOUTS, await call(store.enqueue, b.task_ids, b.group_id, b.max_attempts))
 
-    @r.get("/rollouts")
+    @r.get("/rollouts", response_model=list[Rollout], responses=errors_doc(422))
     async def rollouts(
         status: RolloutStatus | None = None,
         group_id: str | None = None,
@@ -126,70 +146,126 @@ def store_router(store: Store, executor: Executor | None = None) -> APIRouter:
     ) -> Response:
         return _json(ROLLOUTS, await call(store.rollouts, status, group_id, task_id, limit))
 
-    @r.get("/rollouts/{rollout_id}")
+    @r.get("/rollouts/{rollout_id}", response_model=Rollout, responses=errors_doc(404))
     async def get_rollout(rollout_id: str) -> Response:
         return _one(await call(store.get_rollout, rollout_id))
 
-    @r.post("/claim")
+    @r.post(
+        "/claim",
+        response_model=list[Claimed],
+        responses=errors_doc(422),
+        openapi_extra=body_doc(CLAIM),
+    )
     async def claim(request: Request) -> Response:
         b = await _parse(request, CLAIM)
-        return _json(ROLLOUTS, await call(store.claim, b.runner_id, b.n, b.lease_s))
+        # A runner key claims under the runner id it is bound to, whatever the body says:
+        # that id is what heartbeats and finishes are checked against.
+        runner_id = _bound_runner(request) or b.runner_id
+        claimed = await call(store.claim, runner_id, b.n, b.lease_s)
+        return _json(CLAIMED, [_with_key(rollout, keys) for rollout in claimed])
 
-    @r.post("/rollouts/{rollout_id}/heartbeat")
+    @r.post(
+        "/rollouts/{rollout_id}/heartbeat",
+        response_model=Rollout,
+        responses=errors_doc(404, 409, 422),
+        openapi_extra=body_doc(HEARTBEAT),
+    )
     async def heartbeat(rollout_id: str, request: Request) -> Response:
         b = await _parse(request, HEARTBEAT)
         return _one(await call(store.heartbeat, rollout_id, b.attempt, b.lease_s))
 
-    @r.post("/rollouts/{rollout_id}/finish")
+    @r.post(
+        "/rollouts/{rollout_id}/finish",
+        response_model=Rollout,
+        responses=errors_doc(404, 409, 422),
+        openapi_extra=body_doc(FINISH),
+    )
     async def finish(rollout_id: str, request: Request) -> Response:
         b = await _parse(request, FINISH)
         args = (rollout_id, b.attempt, b.status, b.answer, b.reward, b.error)
         return _one(await call(store.finish, *args))
 
-    @r.post("/spans", status_code=204)
+    @r.post(
+        "/spans",
+        status_code=204,
+        responses=errors_doc(404, 409, 422),
+        openapi_extra=body_doc(SPANS),
+    )
     async def add_spans(request: Request) -> Response:
         await call(store.add_spans, await _parse(request, SPANS))
         return Response(status_code=204)
 
-    @r.get("/rollouts/{rollout_id}/spans")
+    @r.get(
+        "/rollouts/{rollout_id}/spans", response_model=list[Span], responses=errors_doc(404, 422)
+    )
     async def spans(rollout_id: str, attempt: Attempt = None) -> Response:
         return _json(SPANS, await call(store.spans, rollout_id, attempt))
 
-    @r.post("/rewards", status_code=204)
+    @r.post(
+        "/rewards",
+        status_code=204,
+        responses=errors_doc(404, 409, 422),
+        openapi_extra=body_doc(REWARD),
+    )
     async def add_reward(request: Request) -> Response:
         await call(store.add_reward, await _parse(request, REWARD))
         return Response(status_code=204)
 
-    @r.get("/rollouts/{rollout_id}/rewards")
+    @r.get(
+        "/rollouts/{rollout_id}/rewards",
+        response_model=list[Reward],
+        responses=errors_doc(404, 422),
+    )
     async def rewards(rollout_id: str, attempt: Attempt = None) -> Response:
         return _json(REWARDS, await call(store.rewards, rollout_id, attempt))
 
-    @r.post("/requeue_expired")
+    @r.post(
+        "/requeue_expired",
+        response_model=list[Rollout],
+        responses=errors_doc(422),
+        openapi_extra=body_doc(REQUEUE),
+    )
     async def requeue_expired(request: Request) -> Response:
         body = await _parse(request, REQUEUE)
         return _json(ROLLOUTS, await call(store.requeue_expired, body.now))
 
-    @r.post("/versions", status_code=204)
+    @r.post(
+        "/versions", status_code=204, responses=errors_doc(409, 422), openapi_extra=body_doc(PV)
+    )
     async def publish_version(request: Request) -> Response:
         await call(store.publish_version, await _parse(request, PV))
         return Response(status_code=204)
 
-    @r.get("/versions/latest")
+    @r.get("/versions/latest", response_model=PolicyVersion | None, responses=errors_doc(422))
     async def latest_version(role: str = "policy") -> Response:
         return _json(VERSION, await call(store.latest_version, role))
 
-    @r.get("/counts")
+    @r.get("/counts", response_model=dict[str, int])
     async def counts() -> Response:
         return _json(COUNTS, await call(store.counts))
 
     return r
 
 
+def _bound_runner(request: Request) -> str | None:
+    """The runner id the caller's runner key is bound to (None for any other caller)."""
+    principal = getattr(request.state, "principal", None)
+    return principal.runner_id if principal is not None else None
+
+
+def _with_key(rollout: Rollout, keys: Keys) -> Claimed:
+    key = keys.agent_key(rollout.id, rollout.attempt)
+    return Claimed.model_construct(**dict(rollout), agent_key=key)
+
+
 # -- errors as JSON -----------------------------------------------------------------------
 
 
-def _error(status: int, kind: str, message: str) -> JSONResponse:
-    return JSONResponse({"error": {"message": message, "type": kind}}, status_code=status)
+def _error(
+    status: int, kind: str, message: str, headers: Mapping[str, str] | None = None
+) -> JSONResponse:
+    body = {"error": {"message": message, "type": kind}}
+    return JSONResponse(body, status_code=status, headers=headers)
 
 
 async def _store_error(_: Request, exc: Exception) -> JSONResponse:
@@ -207,20 +283,41 @@ async def _validation_error(_: Request, exc: Exception) -> JSONResponse:
 
 async def _http_error(_: Request, exc: Exception) -> JSONResponse:
     assert isinstance(exc, StarletteHTTPException)
-    return _error(exc.status_code, "invalid_request_error", str(exc.detail))
+    # Keep the exception's headers: a 405 names the allowed methods in `Allow`.
+    return _error(exc.status_code, "invalid_request_error", str(exc.detail), exc.headers)
+
+
+async def _access_denied(_: Request, exc: Exception) -> JSONResponse:
+    assert isinstance(exc, AccessDenied)
+    headers = {"WWW-Authenticate": "Bearer"} if exc.status == 401 else None
+    return _error(exc.status, exc.kind, exc.message, headers)
 
 
 def install_error_handlers(app: FastAPI) -> None:
-    """Turn StoreErrors (404/409), bad requests (422) and HTTP errors (unknown route, wrong
-    method) into `{"error": {"message", "type"}}` JSON, never a 500 with a traceback."""
+    """Turn StoreErrors (404/409), bad requests (422), refused keys (401/403) and HTTP errors
+    (unknown route, wrong method) into `{"error": {"message", "type"}}` JSON, never a 500
+    with a traceback."""
+    app.add_exception_handler(AccessDenied, _access_denied)
     app.add_exception_handler(StoreError, _store_error)
     app.add_exception_handler(RequestValidationError, _validation_error)
     app.add_exception_handler(StarletteHTTPException, _http_error)
 
 
-def create_store_app(store: Store, executor: Executor | None = None) -> FastAPI:
-    """A standalone app serving `store` under /store (store calls on `executor`)."""
-    app = FastAPI(title="tracerl store")
-    app.include_router(store_router(store, executor), prefix="/store")
+def create_store_app(
+    store: Store,
+    executor: Executor | None = None,
+    keys: Keys | None = None,
+    limits: Limits | None = None,
+) -> FastAPI:
+    """A standalone app serving `store` under /store (store calls on `executor`), behind
+    `keys` (none: open) and `limits`."""
+    keys = keys or Keys()
+    app = FastAPI(
+        title="tracerl store",
+        dependencies=[Depends(guard(keys, store, executor))],
+        responses=errors_doc(401, 403, 408, 413),
+    )
+    app.include_router(store_router(store, executor, keys), prefix="/store")
     install_error_handlers(app)
+    app.add_middleware(LimitsMiddleware, limits=limits or Limits())
     return app

@@ -19,10 +19,13 @@ __all__ = [
     "ATTEMPT_MAX",
     "LIMIT_MAX",
     "ClaimRequest",
+    "Claimed",
     "EnqueueRequest",
     "FinishRequest",
     "HeartbeatRequest",
     "RequeueRequest",
+    "body_doc",
+    "errors_doc",
     "out_of_range",
 ]
 
@@ -91,8 +94,17 @@ class RequeueRequest(_Body):
     """Clock to compare leases against; None for the server's time."""
 
 
+class Claimed(Rollout):
+    """A rollout as POST /store/claim returns it: the rollout and its agent's key."""
+
+    agent_key: str | None = None
+    """The key its agent calls the gateway with: this attempt's model calls and reward only,
+    dead once the attempt ends (None from a store with no HTTP face)."""
+
+
 TASKS = TypeAdapter(list[Task])
 ROLLOUTS = TypeAdapter(list[Rollout])
+CLAIMED = TypeAdapter(list[Claimed])
 SPANS = TypeAdapter(list[Span])
 REWARDS = TypeAdapter(list[Reward])
 VERSION = TypeAdapter(PolicyVersion | None)
@@ -104,6 +116,57 @@ FINISH = TypeAdapter(FinishRequest)
 REQUEUE = TypeAdapter(RequeueRequest)
 REWARD = TypeAdapter(Reward)
 PV = TypeAdapter(PolicyVersion)
+
+# -- the OpenAPI document ---------------------------------------------------------------
+
+ERROR_SCHEMA: dict[str, Any] = {
+    "type": "object",
+    "required": ["error"],
+    "properties": {
+        "error": {
+            "type": "object",
+            "required": ["message", "type"],
+            "properties": {"message": {"type": "string"}, "type": {"type": "string"}},
+        }
+    },
+}
+"""Every refusal's body: {"error": {"message", "type", ...}}."""
+
+_REASONS = {
+    400: "Bad request", 401: "No key, or a key nobody issued (or whose attempt ended)",
+    403: "The key may not make this call", 404: "No such record", 405: "Wrong method",
+    408: "The body did not arrive in time", 409: "The state or lease changed",
+    413: "The body is too large", 422: "The body or query is invalid",
+    429: "Too many calls in flight", 502: "The remote model failed",
+}  # fmt: skip
+
+
+def errors_doc(*codes: int) -> dict[int | str, dict[str, Any]]:
+    """OpenAPI `responses` entries for error statuses, each with the error body's schema."""
+    content = {"application/json": {"schema": ERROR_SCHEMA}}
+    return {code: {"description": _REASONS[code], "content": content} for code in codes}
+
+
+def body_doc(adapter: TypeAdapter[Any]) -> dict[str, Any]:
+    """`openapi_extra` declaring a JSON request body of `adapter`'s type (the handlers parse
+    raw bytes themselves, so FastAPI cannot see the type)."""
+    schema = _inline(adapter.json_schema(), adapter.json_schema().get("$defs", {}))
+    content = {"application/json": {"schema": schema}}
+    return {"requestBody": {"required": True, "content": content}}
+
+
+def _inline(node: Any, defs: dict[str, Any]) -> Any:
+    """`node` with every local $ref replaced by its definition (the types are not recursive),
+    so one operation's schema stands alone in the OpenAPI document."""
+    if isinstance(node, dict):
+        ref = node.get("$ref", "")
+        if ref.startswith("#/$defs/"):
+            return _inline(defs[ref.removeprefix("#/$defs/")], defs)
+        return {k: _inline(v, defs) for k, v in node.items() if k != "$defs"}
+    if isinstance(node, list):
+        return [_inline(v, defs) for v in node]
+    return node
+
 
 STATUS: dict[type[StoreError], int] = {
     NotFound: 404,

@@ -1,0 +1,107 @@
+"""Learning that transfers: a weak start on each task family, `tracerl train` with the
+default config (the same for every family), held-out success before -> after.
+
+For each family (tracerl/examples/{lookup,textgame,extract,shop}) and seed: the family's
+scripted expert writes demonstrations; `tracerl sft --recipe skill-then-habit` builds a
+weak tiny model from them (the skill, then a habit of skipping the tools; cached under
+$TRACERL_HOME/models/); then `train(TrainConfig(...))` with only the run's name, model,
+agent, reward and tasks given. Prints a line per run, then one JSON line:
+{"families": {name: {"before": [...], "after": [...], "last": [...], "gain": mean}},
+ "min_gain", "mean_gain" (points, over families' mean gains), "worst_final_drop" (points:
+the largest fall of the exported model below its start, 0 when none)}.
+Usage: python bench/transfer.py [--families a,b] [--seeds 0,1,2] [--steps N] [--runs DIR]
+(--steps changes every family's run alike; default: TrainConfig's own.)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+from pathlib import Path
+
+from tracerl import ensure_passive_omp
+
+ensure_passive_omp()
+
+from tracerl.demo import cache_dir  # noqa: E402
+from tracerl.examples import example_file, example_module  # noqa: E402
+from tracerl.models.recipe import HabitStage, skill_then_habit  # noqa: E402
+from tracerl.models.sft import Demo, SftConfig  # noqa: E402
+from tracerl.pipeline.config import TrainConfig  # noqa: E402
+from tracerl.pipeline.run import train  # noqa: E402
+
+FAMILIES = ("lookup", "textgame", "extract", "shop")
+DEMOS = 4000
+TRAIN_TASKS, HELD_OUT = 2000, 200
+
+
+def weak_model(family: str, seed: int) -> Path:
+    """The family's weak start for `seed`, built once (skill SFT, then the habit)."""
+    out = cache_dir() / "models" / f"transfer-{family}-seed{seed}"
+    if (out / "config.json").exists():
+        return out
+    raw = example_module(family, "expert").demonstrations(DEMOS, seed=1000 + seed)
+    demos = [Demo.model_validate(d) for d in raw]
+    skill, habit = skill_then_habit(demos, out, None, SftConfig(seed=seed), HabitStage())
+    print(
+        f"{family} seed {seed}: skill loss {skill.final_loss:.3f}, habit loss {habit.final_loss:.3f}"
+    )
+    return out
+
+
+def task_file(family: str, runs: Path) -> Path:
+    """Train split (seed 0) then held-out split (seed 1) of the family's tasks."""
+    make = example_module(family, "tasks").make_tasks
+    path = runs / f"{family}-tasks.jsonl"
+    rows = make(TRAIN_TASKS, "train", 0) + make(HELD_OUT, "eval", 1)
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+def run_one(family: str, seed: int, runs: Path, steps: int | None) -> dict:
+    """One default-config run; its before, exported and last held-out success."""
+    data = {
+        "name": f"{family}-seed{seed}", "runs": str(runs), "model": str(weak_model(family, seed)),
+        "agent": f"{example_file(family, 'agent')}:run",
+        "reward": f"{example_file(family, 'reward')}:reward",
+        "tasks": str(task_file(family, runs)),
+    }  # fmt: skip
+    if steps:
+        data["pipeline"] = {"steps": steps}
+    summary = train(TrainConfig.model_validate(data))
+    assert summary.model is not None
+    out = {"before": summary.success_before or 0.0, "after": summary.success_after,
+           "last": summary.model.last_success, "warnings": len(summary.warnings)}  # fmt: skip
+    print(f"{family} seed {seed}: {out}", flush=True)
+    return out
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--families", default=",".join(FAMILIES))
+    p.add_argument("--seeds", default="0,1,2")
+    p.add_argument("--steps", type=int, default=None)
+    p.add_argument("--runs", default="runs/transfer")
+    args = p.parse_args()
+    runs = Path(args.runs)
+    runs.mkdir(parents=True, exist_ok=True)
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    families: dict[str, dict] = {}
+    for family in args.families.split(","):
+        results = [run_one(family, int(s), runs, args.steps) for s in args.seeds.split(",")]
+        keys = ("before", "after", "last")
+        families[family] = {k: [r[k] for r in results] for k in keys}
+        gains = [100 * (r["after"] - r["before"]) for r in results]
+        families[family]["gain"] = statistics.fmean(gains)
+        families[family]["drop"] = max(0.0, *(100 * (r["before"] - r["after"]) for r in results))
+    gains = [f["gain"] for f in families.values()]
+    print(json.dumps({
+        "families": families, "min_gain": min(gains), "mean_gain": statistics.fmean(gains),
+        "worst_final_drop": max(f["drop"] for f in families.values()),
+    }))  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,148 @@
+"""Guard rails: collapse signals, the best checkpoint kept and exported, rollback, the
+pre-flight check; and a run made to collapse on purpose (a far too high learning rate)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from safetensors.torch import load_file
+
+from tracerl.pipeline.config import GuardConfig
+from tracerl.pipeline.guards import BatchStats, BestModel, CollapseDetector
+from tracerl.pipeline.preflight import check_start
+from tracerl.types import Rollout, RolloutStatus, Span
+
+STEADY = BatchStats(sampled_nll=0.8, completion_tokens=20.0, calls=2.0, mixed_groups=0.5)
+
+
+def _kinds(warnings: list[str]) -> set[str]:
+    return {w.split(":")[0] for w in warnings}
+
+
+def test_a_steady_run_raises_no_warning() -> None:
+    det = CollapseDetector(GuardConfig())
+    for step, reward in enumerate([0.3, 0.35, 0.4, 0.5, 0.55, 0.6, 0.58, 0.62], start=1):
+        assert det.observe(step, reward, STEADY, kl=0.001) == []
+    assert det.observe_eval(5, 0.6) == [] and det.observe_eval(10, 0.5) == []
+    assert not det.collapsed
+
+
+def test_a_sharp_reward_drop_is_a_collapse() -> None:
+    det = CollapseDetector(GuardConfig())
+    for step, reward in enumerate([0.6, 0.6, 0.6, 0.6], start=1):
+        det.observe(step, reward, STEADY, 0.0)
+    warnings = []
+    for step, reward in enumerate([0.3, 0.2, 0.1], start=5):
+        warnings = det.observe(step, reward, STEADY, 0.0)
+    assert _kinds(warnings) == {"reward_drop"} and det.collapsed
+    det.restart()  # after a rollback the collapsed rewards are forgotten
+    assert det.observe(9, 0.55, STEADY, 0.0) == [] and not det.collapsed
+
+
+def test_entropy_length_and_kl_signals_compare_with_the_start() -> None:
+    det = CollapseDetector(GuardConfig())
+    for step in range(1, 4):
+        det.observe(step, 0.5, STEADY, 0.001)
+    crashed = BatchStats(sampled_nll=0.1, completion_tokens=5.0, calls=2.0, mixed_groups=0.5)
+    kinds = _kinds(det.observe(4, 0.5, crashed, kl=0.5))
+    assert kinds == {"entropy_crash", "length_crash", "kl_spike"}
+    assert not det.collapsed  # warnings only: a drop of reward or success is the collapse
+
+
+def test_a_held_out_drop_below_the_best_is_a_collapse() -> None:
+    det = CollapseDetector(GuardConfig(success_drop=0.15))
+    assert det.observe_eval(0, 0.4) == [] and det.observe_eval(5, 0.7) == []
+    assert _kinds(det.observe_eval(10, 0.5)) == {"success_drop"} and det.collapsed
+
+
+def test_best_model_prefers_the_earlier_on_ties_and_survives_a_restart(tmp_path: Path) -> None:
+    best = BestModel(tmp_path)
+    assert best.offer(0, 0.4) and best.offer(5, 0.6)
+    assert not best.offer(10, 0.6) and not best.offer(15, 0.2)
+    again = BestModel(tmp_path)
+    assert (again.step, again.success) == (5, 0.6)
+    assert again.evals == {0: 0.4, 5: 0.6, 10: 0.6, 15: 0.2}
+
+
+def _rollout(i: int, task: str, reward: float, error: str | None = None) -> Rollout:
+    status = RolloutStatus.failed if error else RolloutStatus.succeeded
+    return Rollout(id=f"r{i}", task_id=task, status=status, reward=reward, error=error)
+
+
+def _span(rollout: str, seq: int, prompt: int = 10) -> Span:
+    return Span(
+        id=f"{rollout}-{seq}", rollout_id=rollout, attempt=1, seq=seq, role="policy",
+        policy_version=0, prompt_ids=[1] * prompt, completion_ids=[2] * 5, logprobs=[-0.5] * 5,
+    )  # fmt: skip
+
+
+def test_preflight_names_constant_rewards_errors_and_long_prompts() -> None:
+    rollouts = [_rollout(i, f"t{i // 4}", 0.0) for i in range(6)]
+    rollouts += [_rollout(6, "t1", 0.0, "KeyError"), _rollout(7, "t1", 0.0, "KeyError")]
+    spans = [_span(r.id, 0, prompt=120) for r in rollouts]
+    report = check_start(rollouts, spans, max_context=128, threshold=1.0)
+    text = " ".join(report.warnings)
+    assert report.mixed_groups == 0.0 and report.errors == 0.25
+    assert "no variance" in text and "with an error" in text and "context" in text
+
+
+def test_preflight_tells_wrong_content_from_a_skipped_tool() -> None:
+    # Every rollout calls the tool (two model calls); half the answers are wrong anyway.
+    rollouts = [_rollout(i, f"t{i // 4}", float(i % 2)) for i in range(8)]
+    spans = [_span(r.id, seq) for r in rollouts for seq in (0, 1)]
+    content = check_start(rollouts, spans, 512, 1.0)
+    assert content.failures_with_tools == 1.0 and content.mixed_groups == 1.0
+    assert any("wrong content" in w for w in content.warnings)
+    # The failures skip the tool (one call): a habit, which RL fixes; no such warning.
+    spans = [_span(r.id, seq) for r in rollouts for seq in range(1 + int(r.reward or 0))]
+    habit = check_start(rollouts, spans, 512, 1.0)
+    assert habit.failures_with_tools == 0.0 and habit.warnings == []
+
+
+def _weights(path: Path) -> dict:
+    return load_file(str(next(path.glob("*.safetensors"))))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("respond", [False, True], ids=["export-best", "rollback"])
+def test_a_run_collapsing_on_purpose_exports_the_best_checkpoint(
+    calculator_skilled_dir: Path, tmp_path: Path, respond: bool
+) -> None:
+    """lr 0.05 wrecks the skilled calculator model (~90% success) in one step: the guard
+    sees the held-out drop, and model/ holds the start's weights, not the collapsed ones."""
+    from tracerl.examples import example_file, example_module
+    from tracerl.pipeline.config import TrainConfig
+    from tracerl.pipeline.run import train
+    from tracerl.types import Task
+
+    make_tasks = example_module("calculator", "tasks").make_tasks
+    train_tasks = [Task.model_validate(t) for t in make_tasks(32, "train", 0)]
+    held_out = [Task.model_validate(t) for t in make_tasks(16, "eval", 1)]
+    cfg = TrainConfig.model_validate({
+        "name": "collapse", "runs": str(tmp_path), "model": str(calculator_skilled_dir),
+        "agent": f"{example_file('calculator', 'agent')}:run",
+        "reward": f"{example_file('calculator', 'reward')}:reward",
+        "pipeline": {"steps": 3, "tasks_per_step": 4, "group_size": 4, "eval_every": 1},
+        "trainer": {"lr": 5e-2, "warmup_steps": 0},
+        "guard": {"preflight_tasks": 2, "rollback": respond},
+    })  # fmt: skip
+    summary = train(cfg, tasks=(train_tasks, held_out))
+    run = tmp_path / "collapse"
+    metrics = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert summary.evals[0] >= 0.5 and min(summary.evals.values()) <= summary.evals[0] - 0.3
+    assert any("success_drop" in w for w in summary.warnings)
+    assert any(m.get("guard/success_drop") == 1.0 for m in metrics)
+    assert summary.model is not None and summary.model.model_step < summary.model.last_step
+    assert summary.model.model_success > summary.model.last_success
+    assert summary.success_after == summary.model.model_success
+    best_dir = run / "checkpoints" / f"step-{summary.model.model_step}" / "model"
+    exported, last = _weights(run / "model"), _weights(run / "model-last")
+    for key, value in _weights(best_dir).items():
+        assert (exported[key] == value).all(), key
+    assert any((exported[k] != last[k]).any() for k in exported)
+    if respond:
+        rolled = [m for m in metrics if "guard/rollback" in m]
+        assert rolled and rolled[0]["guard/lr"] == pytest.approx(2.5e-2)
+        assert any(w.startswith("rollback") for w in summary.warnings)

@@ -1,0 +1,311 @@
+"""Engine servers started, watched, restarted and stopped by this process.
+
+`LaunchedEngine` is a RemoteEngine whose servers are child processes of this one: vLLM's
+(tracerl.engines.vllm) or tracerl's transformers server (tracerl.engines.hf_server); a
+subclass says only which command starts one. Each server runs in its own process group,
+bound to 127.0.0.1 on a free port, logging to `log_dir`. A watch thread notices a server
+whose process exited; it and any failed connection take the replica out of service, and its
+recovery starts a fresh server (RemoteEngine then loads the current weights into it before
+it takes calls). Every group is killed on close and at interpreter exit.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import httpx
+from transformers import AutoConfig, AutoTokenizer, GenerationConfig, PreTrainedTokenizerBase
+
+from tracerl.engines.config import EngineConfig
+from tracerl.engines.remote import RemoteEngine
+from tracerl.engines.replicas import Replica
+
+__all__ = [
+    "LaunchedEngine",
+    "ServerProcess",
+    "eos_token_ids",
+    "group_has_others",
+    "live_servers",
+    "source_env",
+]
+
+SOURCE_ROOT = Path(__file__).resolve().parents[2]
+"""The directory holding the tracerl package, put on the servers' PYTHONPATH so that they
+import this tracerl (the vLLM venv does not install it)."""
+_WATCH_S = 0.5
+"""How often the watch thread looks for servers whose process exited."""
+_LIVE: set[ServerProcess] = set()
+"""Servers started and not yet stopped, killed at interpreter exit."""
+
+
+def live_servers() -> list[ServerProcess]:
+    """Every server this process started and has not stopped (for checks and tests)."""
+    return list(_LIVE)
+
+
+def source_env() -> dict[str, str]:
+    """This environment with tracerl's source first on PYTHONPATH, and no virtualenv
+    settings that would leak into another environment's interpreter."""
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(
+        p for p in (str(SOURCE_ROOT), env.get("PYTHONPATH", "")) if p
+    )
+    env.pop("PYTHONHOME", None)
+    env.pop("VIRTUAL_ENV", None)
+    return env
+
+
+class ServerProcess:
+    """One server child process, in its own process group, on a free loopback port."""
+
+    def __init__(self, name: str, command: list[str], port: int, env: dict[str, str], log_dir: str):
+        self.port = port
+        self.url = f"http://127.0.0.1:{port}"
+        Path(log_dir).mkdir(parents=True, exist_ok=True)
+        self.log_path = Path(log_dir) / f"{name}-{port}.log"
+        with open(self.log_path, "wb") as log:
+            self.process = subprocess.Popen(
+                command,
+                stdin=subprocess.DEVNULL,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                env=env,
+                start_new_session=True,  # its own process group: kill it whole
+            )
+        _LIVE.add(self)
+
+    def wait_ready(self, timeout_s: float) -> None:
+        """Wait until /health answers 200; on exit or timeout, stop it and raise."""
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            code = self.exited()
+            if code is not None:
+                self._fail(f"exited with code {code} while starting")
+            with contextlib.suppress(httpx.HTTPError):
+                if httpx.get(f"{self.url}/health", timeout=2.0).status_code == 200:
+                    return
+            time.sleep(0.5)
+        self._fail(f"did not answer /health within {timeout_s:.0f} s")
+
+    def exited(self) -> int | None:
+        """The exit code of the server's main process once it ended, else None.
+
+        The process is left unreaped (a zombie) until `stop`: while it is, its process
+        group id cannot be reused, so `stop` can still kill what it left running (vLLM's
+        engine core) without risking someone else's group.
+        """
+        if self.process.returncode is not None:
+            return self.process.returncode
+        try:
+            info = os.waitid(os.P_PID, self.process.pid, os.WEXITED | os.WNOHANG | os.WNOWAIT)
+        except ChildProcessError:  # reaped meanwhile by stop()
+            return self.process.poll()
+        if info is None:
+            return None
+        return info.si_status if info.si_code == os.CLD_EXITED else -info.si_status
+
+    def log_tail(self, lines: int = 30) -> str:
+        """The last lines of the server's log."""
+        try:
+            text = self.log_path.read_text(errors="replace")
+        except OSError:
+            return ""
+        return "\n".join(text.splitlines()[-lines:])
+
+    def stop(self) -> None:
+        """Stop the server's whole process group: SIGTERM, up to 10 s for the main process
+        and what it started to exit, then SIGKILL for whatever is left; then reap it."""
+        _LIVE.discard(self)
+        if self.process.returncode is not None:
+            return  # reaped: stopped before
+        pid = self.process.pid
+        _kill_group(pid, signal.SIGTERM)
+        deadline = time.monotonic() + 10
+        while (self.exited() is None or group_has_others(pid)) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        _kill_group(pid, signal.SIGKILL)  # the unreaped main process still holds the group id
+        self.process.wait(timeout=10)
+
+    def _fail(self, what: str) -> None:
+        self.stop()
+        raise RuntimeError(
+            f"server on {self.url} {what}; log {self.log_path} ends with:\n{self.log_tail()}"
+        )
+
+
+class LaunchedEngine(RemoteEngine):
+    """RemoteEngine over `cfg.replicas` servers started here (or the user's, `cfg.urls`)."""
+
+    name = "server"
+    """Names the servers' logs (<name>-<port>.log) and errors."""
+    drop_tied_head = False
+    """Whether weights sent to the servers leave out a head tied to the embedding."""
+
+    def __init__(self, model_dir: str | Path, cfg: EngineConfig, policy_version: int = 0) -> None:
+        self.model_dir = Path(model_dir)
+        self.cfg = cfg
+        tokenizer = AutoTokenizer.from_pretrained(model_dir)
+        config = AutoConfig.from_pretrained(model_dir)
+        # Set before the servers start: their command lines take it.
+        self.max_context = int(config.max_position_embeddings)
+        self.servers: list[ServerProcess] = []
+        self._lock = threading.Lock()  # guards `servers` against close during a restart
+        self._stopped = threading.Event()
+        self._own_weights_dir = cfg.weights_dir is None
+        weights_dir = Path(cfg.weights_dir or tempfile.mkdtemp(prefix="tracerl-weights-"))
+        try:
+            urls = list(cfg.urls) or self._start_servers()
+            super().__init__(
+                urls,
+                tokenizer=tokenizer,
+                max_context=self.max_context,
+                eos_token_ids=eos_token_ids(model_dir, tokenizer),
+                weights_dir=weights_dir,
+                tie_word_embeddings=self.drop_tied_head
+                and bool(getattr(config, "tie_word_embeddings", False)),
+                policy_version=policy_version,
+                timeout_s=cfg.request_timeout_s,
+                seed=cfg.seed,
+            )
+            self.warm_up()
+        except BaseException:
+            self.close()
+            raise
+        if self.servers:
+            threading.Thread(target=self._watch, name=f"{self.name}-watch", daemon=True).start()
+
+    # -- what a subclass says ----------------------------------------------------------
+
+    def command(self, port: int) -> list[str]:
+        """The command line of one server listening on 127.0.0.1:`port`."""
+        raise NotImplementedError
+
+    def env(self) -> dict[str, str]:
+        """The environment of a started server."""
+        return source_env()
+
+    # -- servers -------------------------------------------------------------------------
+
+    def _new_server(self) -> ServerProcess:
+        port = _free_port()
+        return ServerProcess(self.name, self.command(port), port, self.env(), self.cfg.log_dir)
+
+    def _start_servers(self) -> list[str]:
+        for _ in range(self.cfg.replicas):
+            self.servers.append(self._new_server())
+        for server in self.servers:
+            server.wait_ready(self.cfg.startup_timeout_s)
+        return [server.url for server in self.servers]
+
+    def warm_up(self) -> None:
+        """One token from every server: a model a server cannot run fails here, with its log."""
+        for i, url in enumerate(self.urls):
+            try:
+                self.generate_sync(i, [self.eos_token_ids[0]])
+            except Exception as exc:
+                tail = self.servers[i].log_tail() if i < len(self.servers) else ""
+                raise RuntimeError(
+                    f"{self.name} server {url} failed its first request: {exc}\n{tail}"
+                ) from exc
+
+    def _watch(self) -> None:
+        """Take a replica whose server process exited out of service (its recovery restarts
+        it), even when no call is failing on it."""
+        while not self._stopped.wait(_WATCH_S):
+            with self._lock:
+                servers = list(enumerate(self.servers))
+            for i, server in servers:
+                code = server.exited()
+                if code is not None:
+                    self.replica_failed(self.replicas.replicas[i], f"exited with code {code}")
+
+    def revive(self, replica: Replica) -> str:
+        """Replace the server of `replica` by a fresh one and wait until it is ready."""
+        if not self.servers:
+            return super().revive(replica)
+        with self._lock:
+            if self._stopped.is_set():
+                raise RuntimeError("engine is closed")
+            self.servers[replica.index].stop()
+            server = self.servers[replica.index] = self._new_server()
+        server.wait_ready(self.cfg.startup_timeout_s)
+        return server.url
+
+    def close(self) -> None:
+        """Stop the client, then kill the servers started here and drop their weights."""
+        super().close()
+        with self._lock:
+            self._stopped.set()
+            for server in self.servers:
+                server.stop()
+        if self._own_weights_dir:
+            shutil.rmtree(self.weights_dir, ignore_errors=True)
+
+
+def eos_token_ids(model_dir: str | Path, tokenizer: PreTrainedTokenizerBase) -> list[int]:
+    """End tokens as HFEngine takes them: generation config, model config, tokenizer."""
+    try:
+        generation = GenerationConfig.from_pretrained(model_dir)
+    except OSError:
+        generation = None
+    config = AutoConfig.from_pretrained(model_dir)
+    ids: list[int] = []
+    for source in (generation, config, tokenizer):
+        candidate = getattr(source, "eos_token_id", None)
+        for token in candidate if isinstance(candidate, list) else [candidate]:
+            if token is not None and token not in ids:
+                ids.append(int(token))
+    if not ids:
+        raise ValueError("the model declares no end token (eos_token_id)")
+    return ids
+
+
+def _free_port() -> int:
+    """A TCP port free on 127.0.0.1 now (the server binds it a moment later)."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def group_has_others(pgid: int) -> bool:
+    """Whether a live process other than its leader is in process group `pgid` (Linux
+    /proc; elsewhere assume so, and let SIGKILL end them)."""
+    try:
+        entries = [e.name for e in os.scandir("/proc") if e.name.isdigit()]
+    except OSError:
+        return True
+    for name in entries:
+        if int(name) == pgid:
+            continue
+        try:
+            stat = Path(f"/proc/{name}/stat").read_text()
+        except OSError:
+            continue  # ended meanwhile
+        # After the command name (which may hold spaces): state, ppid, pgrp, ...
+        state, _, pgrp = stat.rsplit(")", 1)[1].split()[:3]
+        if int(pgrp) == pgid and state != "Z":  # a zombie holds nothing but its pid
+            return True
+    return False
+
+
+def _kill_group(pid: int, sig: signal.Signals) -> None:
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(pid, sig)
+
+
+@atexit.register
+def _stop_all() -> None:
+    """No server outlives the process that started it."""
+    for server in list(_LIVE):
+        with contextlib.suppress(Exception):
+            server.stop()

@@ -1,0 +1,66 @@
+"""What every HTTP route of the gateway shares, whatever API it speaks: reading a JSON body,
+the attribution headers, writing JSON."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import orjson
+from fastapi import Request
+from fastapi.responses import Response
+
+from tracerl.gateway.errors import GatewayError
+from tracerl.store.wire import errors_doc
+
+__all__ = [
+    "MODEL_CALL_DOC",
+    "PARENT_HEADER",
+    "REPLY_DOC",
+    "ROLLOUT_HEADER",
+    "json_response",
+    "parent_of",
+    "read_json",
+    "rollout_of",
+]
+
+MODEL_CALL_DOC = errors_doc(400, 404, 409, 429, 502)
+"""OpenAPI statuses a model call may answer besides 200 (and the app-wide 401/403/408/413);
+every API's error body has an `error` object with `message` and `type`."""
+REPLY_DOC: dict[int | str, dict[str, Any]] = {
+    200: {
+        "description": "The reply (server-sent events when `stream` is true)",
+        "content": {
+            "application/json": {"schema": {"type": "object"}},
+            "text/event-stream": {"schema": {"type": "string"}},
+        },
+    }
+}
+"""OpenAPI 200 of a model call: a JSON body, or an event stream."""
+
+ROLLOUT_HEADER = "x-tracerl-rollout"
+"""Names the rollout a call to plain /v1 belongs to."""
+PARENT_HEADER = "x-tracerl-parent"
+"""A sub-agent's call names the response id its parent agent received."""
+
+
+async def read_json(request: Request) -> Any:
+    """The request body as JSON, or a 400."""
+    try:
+        return orjson.loads(await request.body())
+    except orjson.JSONDecodeError as e:
+        raise GatewayError(400, f"request body is not valid JSON: {e}") from None
+
+
+def rollout_of(request: Request, path_id: str | None) -> str | None:
+    """The rollout a call is attributed to: its URL path's, else the header's."""
+    return path_id or request.headers.get(ROLLOUT_HEADER)
+
+
+def parent_of(request: Request) -> str | None:
+    """The X-Tracerl-Parent header."""
+    return request.headers.get(PARENT_HEADER)
+
+
+def json_response(body: Any, status: int = 200) -> Response:
+    """A JSON response serialised with orjson."""
+    return Response(orjson.dumps(body), status_code=status, media_type="application/json")
