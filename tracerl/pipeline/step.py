@@ -32,7 +32,7 @@ from tracerl.trainer.lead import Leader
 from tracerl.trainer.trainer import Trainer, TrainMetrics
 from tracerl.types import Group, PolicyVersion, Transition
 
-__all__ = ["Pipeline", "Policy", "StepReport"]
+__all__ = ["Pipeline", "Policy", "StepReport", "local_trainer"]
 
 
 @dataclass
@@ -49,12 +49,13 @@ class Policy:
     engine: Engine
     roles: list[str]
 
-    def local_trainer(self) -> Trainer:
-        """The trainer, for changes made to its optimizer in place (rollback, a new lr): a
-        Leader's ranks would each need them, which they do not receive yet."""
-        if not isinstance(self.trainer, Trainer):
-            raise NotImplementedError("data-parallel ranks take no optimizer changes mid-run")
-        return self.trainer
+
+def local_trainer(policy: Policy) -> Trainer:
+    """A policy's trainer, for changes made to its optimizer in place (rollback, a new lr):
+    a Leader's ranks would each need them, which they do not receive yet."""
+    if isinstance(policy.trainer, Leader):
+        raise NotImplementedError("data-parallel ranks take no optimizer changes mid-run")
+    return policy.trainer
 
 
 @dataclass
