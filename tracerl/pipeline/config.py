@@ -11,6 +11,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from tracerl.algorithms.config import AlgorithmConfig, CurationConfig
+from tracerl.cluster.config import ClusterConfig
 from tracerl.engines.config import EngineConfig
 from tracerl.roles import (
     GatewayConfig,
@@ -157,6 +158,9 @@ class TrainConfig(BaseModel):
     device: str = Field(default="cpu")
     """torch device of the trainer ("cpu", "cuda", "cuda:1"); the engine's too unless
     engine.device is given: one switch moves the run to a GPU."""
+    cluster: ClusterConfig = ClusterConfig()
+    """Past one machine: Ray places the runners and trainer ranks (`--cluster.address`);
+    off by default, and Ray is then never imported."""
 
     @model_validator(mode="before")
     @classmethod

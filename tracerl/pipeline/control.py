@@ -190,8 +190,10 @@ class Control:
         """Put one setting in force in the live run's parts; returns its validated value."""
         new = with_setting(self.cfg, key, value)
         if key == "trainer.lr":
+            from tracerl.pipeline.step import local_trainer  # step's imports reach this module
+
             for policy in self.pipeline.policies:
-                set_lr(policy.trainer, new.trainer.lr)
+                set_lr(local_trainer(policy), new.trainer.lr)
         else:
             self._rebuild_curation(new)
         self.cfg = new

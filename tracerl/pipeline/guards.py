@@ -228,10 +228,13 @@ def rollback(pipeline: Pipeline, best_step: int, lr_factor: float) -> float:
 
     The weights are served under the current version number (versions count steps), and a
     checkpoint of the restored state replaces the collapsed one as the latest."""
+    from tracerl.pipeline.step import local_trainer  # step imports this module
+
     load_checkpoint_weights(pipeline, best_step)
     lr = 0.0
     for p in pipeline.policies:
-        optimizer, schedule = p.trainer.optimizer, p.trainer.scheduler
+        trainer = local_trainer(p)
+        optimizer, schedule = trainer.optimizer, trainer.scheduler
         optimizer.state.clear()  # Adam's moments remember the direction that collapsed
         schedule.base_lrs = [base * lr_factor for base in schedule.base_lrs]
         for group, base in zip(optimizer.param_groups, schedule.base_lrs, strict=True):

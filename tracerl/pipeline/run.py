@@ -10,6 +10,10 @@ pipeline.png and summary.json.
 Shutdown runs in one order, whatever ends the run (the exit stack unwinds it): the source
 (and the runner it owns: in-flight rollouts cancelled, nothing written after), the agent
 threads, the metrics log, then the serving stack (HTTP server, engines, store).
+
+With `cluster.address` set (and only then, when Ray is imported), Ray places the runners
+and the trainer ranks (tracerl.cluster); the rest of the run is the same. The cluster's
+actors are removed after the source closes and before the serving stack does.
 """
 
 from __future__ import annotations
@@ -19,7 +23,7 @@ import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import ExitStack
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from pydantic import BaseModel
@@ -42,6 +46,8 @@ from tracerl.pipeline.sources import Agents, RolloutSource, SyncSource, TaskOrde
 from tracerl.pipeline.step import Pipeline, Policy
 from tracerl.roles import GatewayConfig, PolicySpec, remote_roles
 from tracerl.stack import LocalStack, start_multi_stack
+from tracerl.trainer.config import TrainerConfig
+from tracerl.trainer.lead import Leader
 from tracerl.trainer.trainer import Trainer
 from tracerl.types import Task
 
@@ -119,14 +125,18 @@ def make_source(
     )  # fmt: skip
 
 
-def _policies(cfg: TrainConfig, stack: LocalStack) -> list[Policy]:
+TrainerFactory = Callable[[str | Path, TrainerConfig, str], Trainer | Leader]
+"""(model dir, settings, device) -> a policy's trainer."""
+
+
+def _policies(cfg: TrainConfig, stack: LocalStack, make: TrainerFactory = Trainer) -> list[Policy]:
     """A trainer per trainable policy, each beside the engine that serves it."""
     t = cfg.trainer
     total = t.total_steps or cfg.pipeline.steps * t.minibatches * t.epochs
     return [
         Policy(
             spec.name,
-            Trainer(
+            make(
                 spec.model,
                 t.model_copy(update={"lora": spec.lora, "total_steps": total}),
                 cfg.device,
@@ -155,6 +165,8 @@ class _Run:
     guards: Guards
     started: float
     eval_s: float = 0.0
+    extra: Callable[[], dict[str, float]] = field(default=dict)
+    """More values for each step's metrics (a cluster's runner counts per node)."""
 
     def evaluate(self, tasks: list[Task], label: str) -> float:
         """Held-out success; async generation stops issuing meanwhile so the evaluation's
@@ -203,8 +215,9 @@ def train(
         specs = cfg.policies()
         store = cfg.store or run_dir / "traces.db"
         stack = start_roles_stack(
-            specs, remote_roles(cfg.roles), store, cfg.engine, gateway=cfg.gateway
-        )
+            specs, remote_roles(cfg.roles), store, cfg.engine, cfg.cluster.gateway_host,
+            gateway=cfg.gateway,
+        )  # fmt: skip
         exits.callback(stack.close)
         log = MetricsLog(run_dir)
         exits.callback(log.close)
@@ -212,7 +225,16 @@ def train(
         exits.callback(threads.shutdown, wait=False, cancel_futures=True)
         agent = agent or load_agent(cfg.agent, threads)
         agents = Agents(stack.url, agent, reward_fn, cfg.runner, model=cfg.model_name)
-        policies = _policies(cfg, stack)
+        make: TrainerFactory = Trainer
+        extra: Callable[[], dict[str, float]] = dict
+        if cfg.cluster.address:  # Ray places runners and trainer ranks; imported only here
+            from tracerl.cluster.session import Cluster
+
+            cluster = Cluster(cfg.cluster, cfg.name)
+            exits.callback(cluster.close)
+            agents = cluster.agents(agents, cfg.agent, cfg.reward or reward_fn, str(store), stack)
+            make, extra = cluster.trainer, cluster.values
+        policies = _policies(cfg, stack, make)
         curation = Curation.build(cfg.curation, cfg.pipeline.group_size, cfg.success_threshold)
         trainer = policies[0].trainer  # every policy's version moves in step with the others
         roles = [role for p in policies for role in p.roles]
@@ -230,6 +252,7 @@ def train(
             cfg, run_dir, stack, log, agents, source, pipeline, held_out, train_tasks, guards,
             started,
         )  # fmt: skip
+        run.extra = extra
         if resume:
             # The previous process's runners are dead: their leases will not be renewed.
             stack.store.requeue_expired(now=float("inf"))
@@ -256,6 +279,7 @@ def _loop(run: _Run) -> TrainSummary:
         values = step_values(report) | guards.on_step(report)
         values["time/wall_s"] = time.perf_counter() - run.started
         values["time/train_wall_s"] = time.perf_counter() - run.started - run.eval_s
+        values |= run.extra()
         every = cfg.pipeline.eval_every
         if every and report.step % every == 0 and report.step < cfg.pipeline.steps:
             subset = run.held_out[: cfg.pipeline.eval_size]

@@ -29,6 +29,7 @@ from tracerl.types import HAS_OUTCOME, FinishedRollout, Group, Rollout, Task
 
 __all__ = [
     "Agents",
+    "RolloutRunner",
     "RolloutSource",
     "SourceState",
     "SourceStats",
@@ -103,6 +104,29 @@ class RolloutSource(Protocol):
         ...
 
 
+class RolloutRunner(Protocol):
+    """What a source needs of its runner: a Runner in this process, or the handle on runners
+    elsewhere (tracerl.cluster.runners.RemoteRunners)."""
+
+    cfg: RunnerConfig
+    """Its settings; `concurrency` counts every slot it runs."""
+    paused: bool
+    """While set, no queued rollout is claimed (running ones go on)."""
+
+    @property
+    def busy_s(self) -> float:
+        """Summed wall time of the rollouts run."""
+        ...
+
+    async def run(self, until_idle: bool = True, stop: asyncio.Event | None = None) -> None:
+        """Run rollouts until nothing is queued or running (until_idle) or `stop` is set."""
+        ...
+
+
+RemoteRunnerFn = Callable[[Store, Callable[[Rollout], None] | None], RolloutRunner]
+"""(store, on_finish) -> the runner of runners elsewhere."""
+
+
 @dataclass(frozen=True)
 class Agents:
     """What a source's runner needs: the gateway, the agent, its reward, how to run it."""
@@ -117,9 +141,15 @@ class Agents:
     """Concurrency, timeouts, leases."""
     model: str = "policy"
     """The model name the agent is told to call (the top role)."""
+    remote: RemoteRunnerFn | None = None
+    """Runners elsewhere (a cluster's actors) to use instead of one in this process."""
 
-    def runner(self, store: Store, on_finish: Callable[[Rollout], None] | None = None) -> Runner:
+    def runner(
+        self, store: Store, on_finish: Callable[[Rollout], None] | None = None
+    ) -> RolloutRunner:
         """A runner for this source's rollouts."""
+        if self.remote is not None:
+            return self.remote(store, on_finish)
         return Runner(
             store, self.gateway_url, self.agent, self.reward_fn, self.cfg,
             on_finish=on_finish, model=self.model,

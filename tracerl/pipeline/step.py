@@ -28,10 +28,11 @@ from tracerl.pipeline.config import PipelineConfig
 from tracerl.pipeline.guards import BatchStats, batch_stats
 from tracerl.pipeline.sources import RolloutSource, SourceStats
 from tracerl.store import Store
+from tracerl.trainer.lead import Leader
 from tracerl.trainer.trainer import Trainer, TrainMetrics
 from tracerl.types import Group, PolicyVersion, Transition
 
-__all__ = ["Pipeline", "Policy", "StepReport"]
+__all__ = ["Pipeline", "Policy", "StepReport", "local_trainer"]
 
 
 @dataclass
@@ -43,9 +44,18 @@ class Policy:
     """
 
     name: str
-    trainer: Trainer
+    trainer: Trainer | Leader
+    """Its trainer: a Trainer, or rank 0's Leader of data-parallel ranks."""
     engine: Engine
     roles: list[str]
+
+
+def local_trainer(policy: Policy) -> Trainer:
+    """A policy's trainer, for changes made to its optimizer in place (rollback, a new lr):
+    a Leader's ranks would each need them, which they do not receive yet."""
+    if isinstance(policy.trainer, Leader):
+        raise NotImplementedError("data-parallel ranks take no optimizer changes mid-run")
+    return policy.trainer
 
 
 @dataclass
@@ -106,7 +116,12 @@ class Pipeline:
         """What checkpoints hold: the one trainer, or every policy's by name."""
         if len(self.policies) == 1:
             return self.policies[0].trainer
-        return {p.name: p.trainer for p in self.policies}
+        several: dict[str, Trainer] = {}
+        for p in self.policies:
+            if not isinstance(p.trainer, Trainer):
+                raise TypeError("data-parallel ranks (a Leader) train one-policy runs only")
+            several[p.name] = p.trainer
+        return several
 
     def resume(self) -> int:
         """Restore the newest checkpoint and serve its weights; returns the step to run."""
@@ -147,7 +162,10 @@ class Pipeline:
                 out[p.name] = p.trainer.train(mine)
             else:
                 out[p.name] = None
-                p.trainer.version += 1  # same weights, next version: versions stay in step
+                # Same weights, next version: versions stay in step. A Leader's followers
+                # never have their version read (rank 0 checkpoints and publishes).
+                t = p.trainer.trainer if isinstance(p.trainer, Leader) else p.trainer
+                t.version += 1
         return out
 
     def run_step(self) -> StepReport:

@@ -1,0 +1,177 @@
+"""A run past one machine: Ray places the runners and trainer ranks (tracerl.cluster).
+
+Each test runs a script of tests/cluster/ against a simulated 2-node Ray cluster (`ray
+start --head` with resource nodeA, `ray start --address` with nodeB) inside network and PID
+namespaces of its own (tests/cluster/netns.py): Ray listens on a machine's external address,
+and in a namespace holding only `lo` there is none. Needs root (unshare), `ip`, `ss`, Ray,
+and the demo's calculator model in $TRACERL_HOME (the fixture builds it once if missing).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from collections import Counter
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import pytest
+
+from tracerl.pipeline.config import TrainConfig
+
+ROOT = Path(__file__).resolve().parents[1]
+SCRIPTS = ROOT / "tests" / "cluster"
+
+needs_namespaces = pytest.mark.skipif(
+    os.geteuid() != 0 or not shutil.which("unshare") or not shutil.which("ss"),
+    reason="needs root, unshare and ss (the cluster runs in namespaces of its own)",
+)
+
+
+def on_a_cluster(test: Callable[..., None]) -> Callable[..., None]:
+    """Marks of a test that trains on the simulated cluster."""
+    return pytest.mark.ray(pytest.mark.slow(needs_namespaces(test)))
+
+
+@contextmanager
+def _in_namespaces(script: str, out: Path) -> Iterator[subprocess.Popen[str]]:
+    """tests/cluster/<script> OUT running against the 2-node cluster; killed on the way out
+    if still running (unshare --kill-child then ends the namespace's PID 1, and the kernel
+    every process of the namespace)."""
+    pytest.importorskip("ray")
+    cmd = [
+        "unshare", "-n", "-p", "-f", "--mount-proc", "--kill-child",
+        sys.executable, str(SCRIPTS / "netns.py"), str(SCRIPTS / script), str(out),
+    ]  # fmt: skip
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, text=True)
+    try:
+        yield proc
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+
+
+def _finish(proc: subprocess.Popen[str], timeout_s: float = 540) -> str:
+    """Its output, once it exits (within the tests' own 600 s limit)."""
+    try:
+        out, _ = proc.communicate(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        out, _ = proc.communicate()
+        pytest.fail(f"timed out:\n{out[-3000:]}")
+    assert proc.returncode == 0, out[-3000:]
+    return out
+
+
+def _descendants(root: int) -> set[int]:
+    """Host PIDs of `root` and every process below it."""
+    children: dict[int, list[int]] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            pid, rest = stat.read_text().split(" ", 1)
+        except OSError:
+            continue
+        ppid = int(rest.rsplit(")", 1)[1].split()[1])
+        children.setdefault(ppid, []).append(int(pid))
+    seen, todo = set(), [root]
+    while todo:
+        pid = todo.pop()
+        seen.add(pid)
+        todo += children.get(pid, [])
+    return seen
+
+
+def _host_listeners() -> set[int]:
+    """PIDs owning a listening TCP socket in the host's network namespace."""
+    out = subprocess.run(["ss", "-ltnpH"], capture_output=True, text=True, check=True).stdout
+    return {int(p.split(",")[0]) for p in out.split("pid=")[1:]}
+
+
+def _wait_for(path: Path, proc: subprocess.Popen[str], timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not path.exists():
+        if proc.poll() is not None or time.monotonic() > deadline:
+            raise AssertionError(f"{path.name} never appeared")
+        time.sleep(0.2)
+
+
+def test_cluster_config_is_off_by_default_and_ray_free() -> None:
+    """Without cluster.address nothing changes, and reading the config imports no Ray."""
+    code = "import sys, tracerl.pipeline.config as c; c.TrainConfig(); print('ray' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT)
+    assert out.stdout.strip() == "False", out.stderr
+    assert TrainConfig().cluster.address == ""
+    cfg = TrainConfig.model_validate({"cluster": {"address": "127.0.0.1:6379"}})
+    assert cfg.cluster.address == "127.0.0.1:6379"
+
+
+@on_a_cluster
+def test_two_nodes_learn_like_one_process_and_listen_on_loopback_only(
+    calculator_model_dir: Path, tmp_path: Path
+) -> None:
+    with _in_namespaces("learn.py", tmp_path) as proc:
+        # Outside the namespace, while the cluster run trains: nothing of ours listens here.
+        _wait_for(tmp_path / "ready.json", proc, timeout_s=400)
+        ours = _descendants(proc.pid)
+        leaked = ours & _host_listeners()
+        (tmp_path / "checked").touch()
+        print(_finish(proc))
+    assert len(ours) > 10, "the namespace's processes were not seen from the host"
+    assert not leaked, f"processes of the cluster listen in the host's namespace: {leaked}"
+    inside = json.loads((tmp_path / "ready.json").read_text())
+    assert [line.split(":")[1].strip() for line in inside["links"].splitlines()] == ["lo"]
+    local = [line.split()[3] for line in inside["listen"].splitlines()]
+    assert local and all(a.rsplit(":", 1)[0] in LOOPBACK for a in local), local
+    assert '"python"' in inside["listen"] and '"raylet"' in inside["listen"]
+
+    result = json.loads((tmp_path / "result.json").read_text())
+    one, two = result["one"], result["cluster"]
+    assert two["steps"] == 4 and two["rollouts_trained"] == one["rollouts_trained"] == 4 * 8 * 4
+    assert two["success_after"] >= two["success_before"] + 0.2, two
+    assert abs(two["success_after"] - one["success_after"]) <= 0.2, (one, two)
+    # Runners ran on both nodes, one actor each, and the metrics say so every step.
+    metrics = result["metrics"]
+    assert len(metrics) == 4
+    for step in metrics:
+        assert step["cluster/nodes"] == 2
+        assert step["cluster/runners/nodeA"] == step["cluster/runners/nodeB"] == 1
+    last = metrics[-1]
+    assert last["cluster/rollouts/nodeA"] > 0 and last["cluster/rollouts/nodeB"] > 0
+    assert last["cluster/rollouts/nodeA"] + last["cluster/rollouts/nodeB"] >= 4 * 8 * 4
+
+
+LOOPBACK = {"127.0.0.1", "[::ffff:127.0.0.1]", "[::1]"}
+
+
+@on_a_cluster
+def test_a_node_killed_mid_step_loses_nothing_and_trains_nothing_twice(
+    calculator_model_dir: Path, tmp_path: Path
+) -> None:
+    with _in_namespaces("fault.py", tmp_path) as proc:
+        print(_finish(proc))
+    result = json.loads((tmp_path / "result.json").read_text())
+    kill, rollouts, ledger = result["kill"], result["rollouts"], result["ledger"]
+    assert kill["running"] > 0 and kill["actor_pids"], kill
+    assert result["summary"]["steps"] == 3
+    # 0 lost: every training rollout ended with an outcome, every group complete.
+    statuses = Counter(r["status"] for r in rollouts)
+    assert set(statuses) == {"succeeded"}, statuses
+    groups = Counter(r["group_id"] for r in rollouts)
+    assert set(groups.values()) == {result["group_size"]}
+    # The killed node's rollouts were run again (a dead runner's lease expired).
+    assert any(r["attempt"] > 1 for r in rollouts), "no rollout was re-run after the kill"
+    # 0 trained twice: the ledger names each rollout once, and only finished ones.
+    assert len(ledger) == len(set(ledger)) == 3 * 8 * 4
+    assert set(ledger) <= {r["id"] for r in rollouts}
+    # The metrics saw nodeB's runner go, and nodeA's keep going.
+    first, last = result["metrics"][0], result["metrics"][-1]
+    assert sorted(v for k, v in first.items() if "/runners/" in k) == [1, 1]
+    assert sorted(v for k, v in last.items() if "/runners/" in k) == [0, 1]
+    assert last["cluster/nodes"] == 1
