@@ -30,7 +30,8 @@ import ray
 from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from tracerl.runner import RewardFn, Runner, RunnerConfig, load_agent, load_callable
+from tracerl.agents import RewardFn, load_agent, load_callable
+from tracerl.runner import Runner, RunnerConfig
 from tracerl.store import Store
 from tracerl.store.open import open_store
 

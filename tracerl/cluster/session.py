@@ -21,11 +21,11 @@ from typing import Any
 import ray
 from ray.util.placement_group import remove_placement_group
 
+from tracerl.agents import RewardFn
 from tracerl.cluster.config import ClusterConfig
 from tracerl.cluster.ranks import TrainerRanks
 from tracerl.cluster.runners import RemoteRunners, RunnerSpec, place_runners
 from tracerl.pipeline.sources import Agents, RolloutRunner
-from tracerl.runner import RewardFn
 from tracerl.stack import LocalStack
 from tracerl.store import Store
 from tracerl.store.open import is_postgres_url
