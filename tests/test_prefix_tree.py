@@ -9,7 +9,9 @@ on the production function `loss_and_grads` and on a whole `Trainer.train` step.
 
 from __future__ import annotations
 
+import importlib.util
 import random
+import sys
 from pathlib import Path
 
 import pytest
@@ -214,3 +216,24 @@ def test_a_trainer_step_with_prefix_sharing_equals_one_without(
         moved = float((v - w0[k]).norm())
         assert moved > 0
         assert float((wb[k] - v).norm()) <= 1e-4 * moved
+
+
+def test_the_bench_runs_and_its_forms_agree() -> None:
+    # bench/prefix_tree.py on small settings: its rows share a real system prompt, so the
+    # tree forwards fewer tokens, and the two forms it times compute the same update.
+    root = Path(__file__).resolve().parents[1]
+    spec = importlib.util.spec_from_file_location(
+        "bench_prefix_tree", root / "bench/prefix_tree.py"
+    )
+    assert spec is not None and spec.loader is not None
+    bench = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = bench
+    spec.loader.exec_module(bench)
+    threads = torch.get_num_threads()
+    try:
+        r = bench.run(bench.PrefixConfig(tools=1, groups=1, group_size=4, reps=1, threads=1))
+    finally:
+        torch.set_num_threads(threads)
+    assert r.rows == 4 and r.prefix_tokens > 300
+    assert r.token_ratio > 1.5 and r.tokens_on < r.tokens_off
+    assert r.max_rel_loss_diff <= TOL and r.max_rel_grad_diff <= TOL
