@@ -108,6 +108,12 @@ class TrainerConfig(BaseModel):
     """Passes over each batch."""
     micro_batch_tokens: int = Field(default=8192, ge=64)
     """Padded tokens per forward/backward micro-batch (gradients accumulate across them)."""
+    prefix_sharing: bool = False
+    """Forward the prefix that a step's rows share (a group's system prompt, tool schemas
+    and task) once per micro-batch and each row's branch on its KV cache
+    (tracerl.trainer.prefix), with the loss and gradients of one row per rollout. Off
+    until measured on real models; with entropy_top_q set, which selects tokens per
+    micro-batch, the plain micro-batches are kept. The data-parallel trainer packs plainly."""
     bf16: bool = True
     """bf16 autocast for forward/backward on CPU or GPU; weights and log-probs stay fp32."""
     lora: LoraSettings | None = None

@@ -4,13 +4,15 @@
 current weights, evaluates `policy_loss` with one denominator over all micro-batches and
 back-propagates each, so the accumulated gradients equal those of one big batch. `Trainer`
 calls it for every optimizer step, then clips and steps; the benches (bench/merge.py,
-bench/mfu.py) and tests/test_merge_equivalence.py call this same function, so what they
-measure is what trains.
+bench/mfu.py, bench/prefix_tree.py) and tests/test_merge_equivalence.py call this same
+function, so what they measure is what trains. With `TrainerConfig.prefix_sharing` the rows
+that share a prefix are forwarded as trees (tracerl.trainer.prefix): same loss, same
+denominator, fewer tokens.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import NamedTuple
 
 import torch
@@ -25,6 +27,7 @@ from tracerl.trainer.loss import (
     token_logprobs,
 )
 from tracerl.trainer.packing import MicroBatch, pack
+from tracerl.trainer.prefix import TreeBatch, forwarded_tokens, plan, tree_logits
 from tracerl.types import Transition
 
 __all__ = [
@@ -95,12 +98,23 @@ def loss_and_grads(
     model's weights are still those (one optimizer step per batch): then the forward pass
     of this step gives them. The caller zeroes .grad before and steps the optimizer after.
     """
-    batches = pack(rows, cfg.micro_batch_tokens)
+    batches: Sequence[MicroBatch | TreeBatch]
+    if _shares_prefixes(cfg):
+        batches = plan(rows, cfg.micro_batch_tokens)
+        plain = [tb.mb for tb in batches]
+    else:
+        batches = plain = pack(rows, cfg.micro_batch_tokens)
     # One denominator for the whole optimizer step, so accumulating gradients over
     # micro-batches gives the same update as one big batch.
-    denom = loss_denominator(batches, cfg)
+    denom = loss_denominator(plain, cfg)
     stage("pack")
     return backward_micro_batches(model, rows, batches, cfg, denom, proximal, reference, stage)
+
+
+def _shares_prefixes(cfg: TrainerConfig) -> bool:
+    """Whether to forward rows as trees: asked for, and the loss does not depend on which
+    rows share a micro-batch (the entropy top-q selection does)."""
+    return cfg.prefix_sharing and cfg.loss.entropy_top_q is None
 
 
 def loss_denominator(batches: list[MicroBatch], cfg: TrainerConfig) -> float:
@@ -112,7 +126,7 @@ def loss_denominator(batches: list[MicroBatch], cfg: TrainerConfig) -> float:
 def backward_micro_batches(
     model: torch.nn.Module,
     rows: list[Transition],
-    batches: list[MicroBatch],
+    batches: Sequence[MicroBatch | TreeBatch],
     cfg: TrainerConfig,
     denom: float,
     proximal: list[Tensor] | None = None,
@@ -122,15 +136,18 @@ def backward_micro_batches(
     """Forward, loss over `denom` and backward of each micro-batch of `rows`, in order.
 
     `loss_and_grads` passes its rows' own denominator; a data-parallel rank passes the one
-    of every rank's rows, so the ranks' gradients add up to the whole batch's.
+    of every rank's rows, so the ranks' gradients add up to the whole batch's. A
+    `TreeBatch` is forwarded as a tree (tracerl.trainer.prefix), a `MicroBatch` plainly.
     """
     total, metrics, tokens = 0.0, [], 0
     logp_rows: list[Tensor] = [torch.empty(0)] * len(rows)
-    for mb in batches:
-        loss, m, logp_BT = _micro_batch(model, mb, cfg, denom, proximal, reference, stage)
+    for batch in batches:
+        tb = batch if isinstance(batch, TreeBatch) else TreeBatch(batch, 0)
+        loss, m, logp_BT = _micro_batch(model, tb, cfg, denom, proximal, reference, stage)
         total += loss
         metrics.append(m)
-        tokens += int(mb.attention_mask_BT.sum())
+        tokens += forwarded_tokens(tb)
+        mb = tb.mb
         for b, i in enumerate(mb.row_indices):
             logp_rows[i] = logp_BT[b, : len(rows[i].input_ids)]
     return Gradients(total, metrics, tokens, logp_rows)
@@ -138,7 +155,7 @@ def backward_micro_batches(
 
 def _micro_batch(
     model: torch.nn.Module,
-    mb: MicroBatch,
+    tb: TreeBatch,
     cfg: TrainerConfig,
     denom: float,
     proximal: list[Tensor] | None,
@@ -146,14 +163,21 @@ def _micro_batch(
     stage: Stage,
 ) -> tuple[float, LossMetrics, Tensor]:
     """Forward, loss and backward of one micro-batch; returns (loss, metrics, logp_BT)."""
-    logits_BTV = model_logits(model, mb, cfg.bf16)
+    mb = tb.mb
+    logits = tree_logits(model, tb, cfg.bf16) if tb.shared else model_logits(model, mb, cfg.bf16)
     stage("forward")
-    device = logits_BTV.device
-    temp_B = mb.temperature_B.to(device)
-    logp_BT = token_logprobs(logits_BTV, mb.input_ids_BT.to(device), temp_B)
+    device = next(model.parameters()).device
+    ids_BT, temp_B = mb.input_ids_BT.to(device), mb.temperature_B.to(device)
+
+    def per_token(fn: Callable[[Tensor, Tensor, Tensor], Tensor]) -> Tensor:
+        if isinstance(logits, Tensor):
+            return fn(logits, ids_BT, temp_B)
+        return logits.per_token(fn, ids_BT, temp_B)
+
+    logp_BT = per_token(token_logprobs)
     # Entropies cost a second pass over the logits: only when the selection needs them.
     with_entropy = cfg.loss.entropy_top_q is not None
-    entropy_BT = token_entropy(logits_BTV, temp_B) if with_entropy else None
+    entropy_BT = per_token(lambda x, _ids, t: token_entropy(x, t)) if with_entropy else None
     stage("logprobs")
     prox_BT = logp_BT.detach() if proximal is None else _gather(proximal, mb, logp_BT)
     loss, metrics = policy_loss(
