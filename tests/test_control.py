@@ -20,7 +20,7 @@ import torch
 from tracerl.cli import main as cli
 from tracerl.examples import example_module
 from tracerl.pipeline.checkpoints import read_ledger
-from tracerl.pipeline.config import PipelineConfig, TrainConfig
+from tracerl.pipeline.config import GuardConfig, PipelineConfig, TrainConfig
 from tracerl.pipeline.control import Control, set_lr
 from tracerl.pipeline.control_files import (
     parse_setting,
@@ -222,6 +222,8 @@ def run_config(
         pipeline=PipelineConfig(steps=steps, tasks_per_step=2, group_size=2, eval_every=0,
                                 checkpoint_every=checkpoint_every),
         trainer=TrainerConfig(lr=1e-3, bf16=False),
+        # A random model never answers right: the pre-flight would refuse the run.
+        guard=GuardConfig(preflight=False),
     )  # fmt: skip
 
 
