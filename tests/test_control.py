@@ -289,7 +289,9 @@ def test_ctl_mid_run_set_pause_resume_stop_then_resume(
     assert by_step[took]["control/pipeline.group_size"] == 3
     assert by_step[asked]["control/checkpoint"] == asked
     assert by_step[asked]["control/paused_s"] >= 2.0
-    assert sorted(p.name for p in (run.dir / "checkpoints").glob("step-*")) == [f"step-{asked}"]
+    # The asked-for checkpoint exists though checkpoint_every is 100 (the guard rails may keep
+    # the last step's too, for the export).
+    assert f"step-{asked}" in {p.name for p in (run.dir / "checkpoints").glob("step-*")}
     # Groups issued from that step on have 3 rollouts.
     sizes = group_sizes(run.dir)
     assert {n for step, n in sizes if step < took} == {2}

@@ -3,9 +3,8 @@
 The Store protocol, lifecycle and row codecs (schema.py) of SqliteStore, on PostgreSQL;
 its layout and migrations are in postgres_schema.py. Open one with open_store (open.py).
 
-Connections. A pool (psycopg_pool) lends each call its own connection, so threads of one
-process run their calls side by side and several processes share the database. Every write
-is one transaction (`_tx`); a read outside one sees a consistent snapshot per statement.
+Connections. A pool (psycopg_pool) lends each call its own connection; every write is one
+transaction (`_tx`); a read outside one sees a consistent snapshot per statement.
 
 Concurrency. Postgres runs transactions at once where SQLite takes turns, so each write
 locks the rows its decision rests on before reading them: a claim takes queued rollouts
@@ -15,10 +14,8 @@ it `FOR SHARE`, so a lease cannot expire between the check that the attempt runs
 write. Every status change still goes through `_transition`, whose UPDATE carries
 `WHERE status = <the status read>`, refusing anything VALID_TRANSITIONS lacks.
 
-Time. Leases are judged by the database's clock, not the callers': runners on other machines
-may have clocks that disagree, and one clock must decide when a lease has expired. A store
-measures its machine's offset from the database's clock when it opens and stamps every
-time with that correction, which saves asking the database for the time in every call.
+Time. Leases are judged by the database's clock (callers' clocks may disagree): a store
+measures its offset from it once, when it opens, and corrects every time it stamps.
 """
 
 from __future__ import annotations
@@ -48,6 +45,7 @@ from tracerl.store.postgres_schema import (
     SELECT_ROLLOUT,
     SELECT_SPANS,
     SELECT_TASK,
+    SET_VERSION_PATH_PG,
     UPDATE_ROLLOUT,
     VERSION_PATH,
     migrate,
@@ -377,8 +375,10 @@ class PostgresStore:
             cur.execute(INSERT_VERSION, (pv.role, pv.version, pv.path, pv.created_at))
             if cur.rowcount == 1:
                 return
-            old = cur.execute(VERSION_PATH, (pv.role, pv.version)).fetchone()
-            if old is not None and old[0] != pv.path:
+            old = cur.execute(VERSION_PATH, (pv.role, pv.version)).fetchone() or ("",)
+            if old[0] == "" and pv.path:  # served first, its checkpoint written later
+                cur.execute(SET_VERSION_PATH_PG, (pv.path, pv.role, pv.version))
+            elif pv.path and old[0] != pv.path:
                 raise Conflict(f"{pv.role} version {pv.version} already published at {old[0]}")
 
     def latest_version(self, role: str = "policy") -> PolicyVersion | None:

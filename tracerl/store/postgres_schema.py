@@ -36,6 +36,7 @@ __all__ = [
     "SELECT_SPANS",
     "SELECT_TASK",
     "UPDATE_ROLLOUT",
+    "SET_VERSION_PATH_PG",
     "VERSION_PATH",
     "migrate",
     "schema_version",
@@ -109,6 +110,7 @@ INSERT_SPAN = _insert("spans", SPAN_COLS)
 INSERT_REWARD = _insert("rewards", REWARD_COLS)
 INSERT_VERSION = "INSERT INTO versions VALUES (%s, %s, %s, %s) ON CONFLICT DO NOTHING"
 VERSION_PATH = "SELECT path FROM versions WHERE role = %s AND version = %s"
+SET_VERSION_PATH_PG = "UPDATE versions SET path = %s WHERE role = %s AND version = %s"
 LATEST_VERSION = (
     "SELECT role, version, path, created_at FROM versions WHERE role = %s "
     "ORDER BY version DESC LIMIT 1"

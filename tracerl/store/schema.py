@@ -157,3 +157,7 @@ def span_from_row(row: Sequence[object]) -> Span:
 def reward_from_row(row: Sequence[object]) -> Reward:
     """A rewards row (its REWARD_COLS) as a record."""
     return Reward.model_validate(dict(zip(REWARD_COLS, row, strict=True)))
+
+
+SET_VERSION_PATH = "UPDATE versions SET path = ? WHERE role = ? AND version = ?"
+"""A version served before its checkpoint existed gets the checkpoint's path once written."""

@@ -39,6 +39,7 @@ from tracerl.store.schema import (
     ROLLOUT_COLS,
     SCHEMA,
     SELECT_ROLLOUT,
+    SET_VERSION_PATH,
     SPAN_COLS,
     UPDATE_ROLLOUT,
     add_missing_columns,
@@ -362,13 +363,15 @@ class SqliteStore:
             old = db.execute(
                 "SELECT path FROM versions WHERE role = ? AND version = ?", (pv.role, pv.version)
             ).fetchone()
-            if old is not None and old[0] != pv.path:
-                raise Conflict(f"{pv.role} version {pv.version} already published at {old[0]}")
             if old is None:
                 db.execute(
                     "INSERT INTO versions VALUES (?, ?, ?, ?)",
                     (pv.role, pv.version, pv.path, pv.created_at),
                 )
+            elif old[0] == "" and pv.path:  # served first, its checkpoint written later
+                db.execute(SET_VERSION_PATH, (pv.path, pv.role, pv.version))
+            elif pv.path and old[0] != pv.path:
+                raise Conflict(f"{pv.role} version {pv.version} already published at {old[0]}")
 
     def latest_version(self, role: str = "policy") -> PolicyVersion | None:
         with self._read() as db:
