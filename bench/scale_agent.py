@@ -7,8 +7,8 @@ from __future__ import annotations
 import time
 from typing import Any
 
+from tracerl.agents import load_file
 from tracerl.examples import example_file
-from tracerl.runner import load_file
 
 TOOL_S = 0.5
 _calculator = load_file(example_file("calculator", "agent"))

@@ -9,9 +9,9 @@ from pathlib import Path
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM
+from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from tracerl.engines.scoring import score_completion
+from tracerl.engines.scoring import constraint_of, score_completion
 from tracerl.roles import GatewayConfig
 from tracerl.stack import LocalStack, start_multi_stack
 from tracerl.types import Span
@@ -49,9 +49,15 @@ def worst_rescore(model_dir: Path, spans: list[Span]) -> float:
     """Largest |recorded - re-scored| log-prob over the spans' sampled tokens."""
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     model.eval()
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
     worst = 0.0
     for span in spans:
-        rescored = score_completion(model, span.prompt_ids, span.completion_ids, span.temperature)
+        # A constrained call (smolagents' tool_choice "required") was sampled from the masked
+        # distribution: re-score it under the same grammar, as the trainer must.
+        rescored = score_completion(
+            model, span.prompt_ids, span.completion_ids, span.temperature,
+            constraint_of(span), tokenizer,
+        )  # fmt: skip
         for a, b in zip(rescored, span.logprobs, strict=True):
             worst = max(worst, abs(a - b))
     return worst

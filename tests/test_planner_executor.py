@@ -80,6 +80,7 @@ class RoleEngine:
         self.tokenizer = tokenizer
         self.role, self.delegate = role, delegate
         self.eos = tokenizer.convert_tokens_to_ids("<|end|>")
+        self.eos_token_ids = [self.eos]
         self.max_context = 2048
         self.policy_version = 0 if role == "planner" else 5
 
@@ -359,11 +360,11 @@ def test_unknown_parent_is_a_400_json_error(stack: Stack, rollout: str) -> None:
             model="executor", messages=MESSAGES, extra_headers={"X-Tracerl-Parent": theirs.id}
         )
     assert stack.store.spans(rollout) == []  # nothing was sampled or recorded
-    # Without a rollout nothing is recorded, so the header is not checked.
+    # Without a rollout the call is recorded under a session, where "x" is unknown too.
     plain = httpx.post(
         f"{stack.server.url}/v1/chat/completions", json=body, headers={"X-Tracerl-Parent": "x"}
     )
-    assert plain.status_code == 200
+    assert plain.status_code == 400 and plain.json()["error"]["code"] == "parent_not_found"
 
 
 @pytest.mark.slow

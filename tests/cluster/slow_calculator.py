@@ -6,8 +6,8 @@ from __future__ import annotations
 import time
 from typing import Any
 
+from tracerl.agents import load_file
 from tracerl.examples import example_file
-from tracerl.runner import load_file
 
 _calculator = load_file(example_file("calculator", "agent"))
 
