@@ -9,6 +9,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections import Counter
 from collections.abc import Callable
 from pathlib import Path
 
@@ -130,7 +131,11 @@ def test_async_sigkill_with_rollouts_in_flight_then_resume(
         if "/g" in r.group_id and int(r.group_id.split("/g")[1].split("-")[0]) not in consumed
     }
     lost = completed - set(trained) - pending
-    assert not lost, f"completed rollouts neither trained nor still pending: {lost}"
+    # A rollout found too stale is not trained by design: its task is re-run in the same
+    # group (stale = "requeue"), which then holds more rollouts than group_size (2).
+    sizes = Counter(r.group_id for r in store.rollouts())
+    superseded = {i for i in lost if sizes[store.get_rollout(i).group_id] > 2}
+    assert not lost - superseded, f"completed rollouts neither trained nor pending: {lost}"
     requeued = [store.get_rollout(i) for i in in_flight]
     assert requeued and all(r.attempt >= 2 for r in requeued)  # re-run, not lost
     store.close()
