@@ -48,6 +48,9 @@ CALC = Path(__file__).resolve().parent.parent / "examples" / "calculator"
 sys.path.insert(0, str(CALC))
 from expert import demonstrations  # noqa: E402
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from trainer_rows import calculator_rows  # noqa: E402
+
 CFG = TrainerConfig(lr=1e-3, bf16=False, micro_batch_tokens=2048)
 """fp32, several micro-batches per rank."""
 
@@ -86,32 +89,6 @@ class DpReport(BaseModel):
     """Tokens of one timed update."""
 
 
-def rows_of(rng: random.Random, n: int, vocab: int) -> list[Transition]:
-    """Rows of calculator length; token values do not change the work."""
-    rows = []
-    for i in range(n):
-        length = rng.randint(100, 300)
-        mask = [0] + [int(rng.random() < 0.55) for _ in range(length - 1)]
-        rows.append(
-            Transition(
-                rollout_id=f"r{i}",
-                group_id="g",
-                task_id="t",
-                role="policy",
-                input_ids=[rng.randrange(vocab) for _ in range(length)],
-                loss_mask=mask,
-                behaviour_logprobs=[-6.0 * m for m in mask],
-                versions=[0 if m else -1 for m in mask],
-                advantages=[rng.uniform(-1.0, 1.0) * m for m in mask],
-                reward=0.0,
-                span_ids=[f"s{i}"],
-                num_spans=1,
-                weight=rng.uniform(0.5, 1.5),
-            )  # fmt: skip
-        )
-    return rows
-
-
 def updates(trainer: Trainer, rows: list[Transition], reps: int) -> list[TrainMetrics]:
     """The warm-up update, then `reps` timed ones (the same on 1 process and N ranks)."""
     return [trainer.train(rows[: max(1, len(rows) // 4)])] + [
@@ -140,7 +117,8 @@ def run(cfg: DpConfig) -> DpReport:
         torch.set_num_threads(cfg.ranks)
         single = Trainer(model_dir, CFG)
         vocab = single.model.config.vocab_size
-        rows = rows_of(random.Random(cfg.seed), cfg.rows, vocab)
+        rng = random.Random(cfg.seed)
+        rows = calculator_rows(rng, cfg.rows, vocab, weight=lambda _: rng.uniform(0.5, 1.5))
         one = updates(single, rows, cfg.reps)
         ranks = spawn(on_each_rank, cfg.ranks, str(model_dir), rows, cfg.reps)
     many, params = ranks[0]["metrics"], ranks[0]["params"]

@@ -64,6 +64,9 @@ CALC = Path(__file__).resolve().parent.parent / "examples" / "calculator"
 sys.path.insert(0, str(CALC))
 from expert import demonstrations  # noqa: E402
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import trainer_rows  # noqa: E402
+
 TINY = TinyModelConfig()
 M20 = TinyModelConfig(hidden_size=512, num_layers=8, num_heads=8, intermediate_size=1024)
 
@@ -258,29 +261,10 @@ def matmul_peak(dtype: torch.dtype, sizes: list[int], reps: int = 5) -> Peak:
 
 
 def calculator_rows(rng: random.Random, n: int, cfg: MfuConfig, vocab: int) -> list[Transition]:
-    """Rows of calculator length; token values do not change the FLOPs."""
-    rows = []
-    for i in range(n):
-        length = rng.randint(cfg.min_len, cfg.max_len)
-        mask = [0] + [int(rng.random() < 0.55) for _ in range(length - 1)]
-        rows.append(
-            Transition(
-                rollout_id=f"r{i}",
-                group_id="g",
-                task_id="t",
-                role="policy",
-                input_ids=[rng.randrange(vocab) for _ in range(length)],
-                loss_mask=mask,
-                behaviour_logprobs=[-6.0 * m for m in mask],
-                versions=[0 if m else -1 for m in mask],
-                advantages=[rng.uniform(-1.0, 1.0) * m for m in mask],
-                reward=0.0,
-                span_ids=[f"s{i}"],
-                num_spans=1,
-                weight=1.0 / max(1, sum(mask)),
-            )
-        )
-    return rows
+    """Rows of calculator length, each weighted 1 / its sampled tokens."""
+    return trainer_rows.calculator_rows(
+        rng, n, vocab, lambda mask: 1.0 / max(1, sum(mask)), cfg.min_len, cfg.max_len
+    )
 
 
 def matmul_params(model: PreTrainedModel) -> int:

@@ -26,15 +26,15 @@ import torch.distributed as dist
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 from transformers import AutoModelForCausalLM, PreTrainedModel
 
+from tests.rollouts import growing_rollout
 from tracerl.algorithms import GRPO, compute_advantages
 from tracerl.algorithms.transitions import spans_to_transitions
-from tracerl.engines.scoring import score_completion
 from tracerl.trainer.distributed import DistributedTrainer, split_by_tokens
 from tracerl.trainer.launch import spawn
 from tracerl.trainer.lead import Leader, follow
 from tracerl.trainer.loss import LossConfig
 from tracerl.trainer.trainer import Trainer, TrainerConfig, TrainMetrics
-from tracerl.types import Span, Transition
+from tracerl.types import Transition
 
 TOL = 1e-5
 # Small micro-batches: each rank accumulates over several, and the ranks hold different
@@ -60,38 +60,14 @@ def test_split_by_tokens_is_balanced_deterministic_and_complete() -> None:
     assert split_by_tokens([7, 3], 3) == [[0], [1], []]  # more ranks than rows: one idles
 
 
-def _rollout(model: PreTrainedModel, rng: random.Random, rid: str) -> list[Span]:
-    """Three calls; each prompt is the previous prompt + completion + a new tool turn."""
-    vocab = model.config.vocab_size
-    prompt = [rng.randrange(vocab) for _ in range(rng.randint(5, 14))]
-    spans = []
-    for seq in range(3):
-        completion = [rng.randrange(vocab) for _ in range(rng.randint(2, 9))]
-        true = score_completion(model, prompt, completion)
-        spans.append(
-            Span(
-                id=f"{rid}-{seq}",
-                rollout_id=rid,
-                attempt=1,
-                seq=seq,
-                role="policy",
-                policy_version=0,
-                prompt_ids=prompt,
-                completion_ids=completion,
-                # A slightly stale behaviour policy, so the importance weights are not all 1.
-                logprobs=[x + rng.uniform(-0.3, 0.3) for x in true],
-            )  # fmt: skip
-        )
-        prompt = prompt + completion + [rng.randrange(vocab) for _ in range(rng.randint(2, 6))]
-    return spans
-
-
 def _rows(model: PreTrainedModel, seed: int) -> list[Transition]:
     """8 merged 3-call rollouts in 2 groups, plus 4 rollouts cut into one row per call."""
     rng = random.Random(seed)
     rows: list[Transition] = []
     for k in range(12):
-        spans = _rollout(model, rng, f"s{seed}-r{k}")
+        spans = growing_rollout(
+            model, rng, f"s{seed}-r{k}", prompt_len=(5, 14), completion_len=(2, 9), turn_len=(2, 6)
+        )
         parts = [spans] if k < 8 else [[s] for s in spans]
         group, reward = f"g{k // 4}", float(rng.random() < 0.5)
         for part in parts:

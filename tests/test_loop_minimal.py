@@ -14,6 +14,7 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM
 
+from tests.rollouts import policy_span
 from tracerl.algorithms import GRPO, compute_advantages
 from tracerl.algorithms.transitions import spans_to_transitions
 from tracerl.engines.scoring import score_completion
@@ -37,19 +38,7 @@ def _rollout(model, rng: random.Random, rid: str, vocab: int) -> list[Span]:  # 
         true = score_completion(model, p, c)
         # A stale, slightly different behaviour policy so the importance weights matter.
         behaviour = [x + rng.uniform(-0.9, 0.4) for x in true]
-        spans.append(
-            Span(
-                id=f"{rid}-{seq}",
-                rollout_id=rid,
-                attempt=1,
-                seq=seq,
-                role="policy",
-                policy_version=0,
-                prompt_ids=p,
-                completion_ids=c,
-                logprobs=behaviour,
-            )  # fmt: skip
-        )
+        spans.append(policy_span(rid, seq, p, c, behaviour))
     return spans
 
 

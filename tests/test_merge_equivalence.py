@@ -18,9 +18,9 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, PreTrainedModel
 
+from tests.rollouts import growing_rollout
 from tracerl.algorithms import GRPO, compute_advantages
 from tracerl.algorithms.transitions import spans_to_transitions
-from tracerl.engines.scoring import score_completion
 from tracerl.trainer.gradients import Gradients, loss_and_grads
 from tracerl.trainer.trainer import Trainer, TrainerConfig
 from tracerl.types import Span, Transition
@@ -28,32 +28,6 @@ from tracerl.types import Span, Transition
 # Small micro-batches so that both forms accumulate over several, differently packed.
 CFG = TrainerConfig(bf16=False, micro_batch_tokens=96)
 TOL = 1e-5
-
-
-def _rollout(model: PreTrainedModel, rng: random.Random, rid: str) -> list[Span]:
-    """Three calls; each prompt is the previous prompt + completion + a new tool turn."""
-    vocab = model.config.vocab_size
-    prompt = [rng.randrange(vocab) for _ in range(rng.randint(6, 10))]
-    spans = []
-    for seq in range(3):
-        completion = [rng.randrange(vocab) for _ in range(rng.randint(2, 6))]
-        true = score_completion(model, prompt, completion)
-        spans.append(
-            Span(
-                id=f"{rid}-{seq}",
-                rollout_id=rid,
-                attempt=1,
-                seq=seq,
-                role="policy",
-                policy_version=0,
-                prompt_ids=prompt,
-                completion_ids=completion,
-                # A slightly stale behaviour policy, so the importance weights are not all 1.
-                logprobs=[x + rng.uniform(-0.3, 0.3) for x in true],
-            )  # fmt: skip
-        )
-        prompt = prompt + completion + [rng.randrange(vocab) for _ in range(rng.randint(2, 5))]
-    return spans
 
 
 def _rows(batch: list[tuple[str, list[Span], float]], per_span: bool) -> list[Transition]:
@@ -99,7 +73,11 @@ def case(tiny_model_dir: Path) -> Case:
     rng = random.Random(0)
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).train()
     rewards = [1.0, 0.0, 0.0, 1.0, 0.0, 1.0, 1.0, 1.0]
-    batch = [(f"g{k // 4}", _rollout(model, rng, f"r{k}"), rewards[k]) for k in range(8)]
+    lengths = {"prompt_len": (6, 10), "completion_len": (2, 6), "turn_len": (2, 5)}
+    batch = [
+        (f"g{k // 4}", growing_rollout(model, rng, f"r{k}", **lengths), rewards[k])
+        for k in range(8)
+    ]
     return Case(batch, model, tiny_model_dir)
 
 
