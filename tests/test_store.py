@@ -379,6 +379,16 @@ def test_policy_versions(store: Store) -> None:
     assert planner is not None and planner.version == 5
 
 
+def test_version_served_before_its_checkpoint_gets_the_path_once(store: Store) -> None:
+    store.publish_version(PolicyVersion(version=2, path=""))  # served, not yet saved
+    store.publish_version(PolicyVersion(version=2, path="/ckpt/2"))
+    store.publish_version(PolicyVersion(version=2, path=""))  # no path: keeps the stored one
+    latest = store.latest_version()
+    assert latest is not None and latest.path == "/ckpt/2"
+    with pytest.raises(Conflict):
+        store.publish_version(PolicyVersion(version=2, path="/ckpt/other"))
+
+
 # -- packing and durability -------------------------------------------------------------
 
 

@@ -21,7 +21,6 @@ measures its offset from it once, when it opens, and corrects every time it stam
 from __future__ import annotations
 
 import time
-import uuid
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from enum import Enum
@@ -30,7 +29,19 @@ from typing import TYPE_CHECKING, Any
 import psycopg
 from psycopg_pool import ConnectionPool, PoolClosed
 
-from tracerl.store import Conflict, InvalidTransition, LeaseLost, NotFound, Store, StoreError
+from tracerl.store import Conflict, InvalidTransition, NotFound, Store, StoreError
+from tracerl.store.lifecycle import (
+    check_current,
+    check_found,
+    check_move,
+    check_running,
+    claim_changes,
+    expiry,
+    final_status,
+    finish_changes,
+    new_rollouts,
+    sets_path,
+)
 from tracerl.store.postgres_schema import (
     CLAIMABLE,
     DB_NOW,
@@ -56,15 +67,15 @@ from tracerl.store.schema import (
     ROLLOUT_COLS,
     reward_from_row,
     rollout_from_row,
+    rollouts_query,
     span_from_row,
     span_row,
     task_from_row,
     task_row,
+    version_from_row,
 )
 from tracerl.store.sessions import open_postgres_session
 from tracerl.types import (
-    FINISHED,
-    VALID_TRANSITIONS,
     PolicyVersion,
     Reward,
     Rollout,
@@ -147,10 +158,7 @@ class PostgresStore:
         All moves are written in one round trip; each only if its status is still the one
         read."""
         for r, _ in moves:
-            if to not in VALID_TRANSITIONS[r.status]:
-                raise InvalidTransition(
-                    f"rollout {r.id}: {r.status.value} -> {to.value} is not allowed"
-                )
+            check_move(r, to)
         new = [r.model_copy(update={"status": to, **changes}) for r, changes in moves]
         if not new:
             return []
@@ -168,13 +176,7 @@ class PostgresStore:
 
     def _running(self, cur: Cursor, rollout_id: str, attempt: int, lock: str) -> Rollout:
         """The rollout, if `attempt` is its running attempt; else LeaseLost."""
-        r = self._get(cur, rollout_id, lock)
-        if r.status is not RolloutStatus.running or r.attempt != attempt:
-            raise LeaseLost(
-                f"rollout {rollout_id} attempt {attempt} is not running "
-                f"(now {r.status.value}, attempt {r.attempt})"
-            )
-        return r
+        return check_running(self._get(cur, rollout_id, lock), attempt)
 
     # -- tasks ----------------------------------------------------------------------------
 
@@ -219,14 +221,8 @@ class PostgresStore:
             found = {
                 r[0] for r in cur.execute("SELECT id FROM tasks WHERE id = ANY(%s)", (wanted,))
             }
-            if missing := [t for t in wanted if t not in found]:
-                raise NotFound(f"no task {missing[0]!r}")
-            now = self._now()
-            new = [
-                Rollout(id=uuid.uuid4().hex[:16], task_id=t, group_id=group_id,
-                        max_attempts=max_attempts, created_at=now)
-                for t in task_ids
-            ]  # fmt: skip
+            check_found(wanted, found)
+            new = new_rollouts(task_ids, group_id, max_attempts, self._now())
             cur.executemany(INSERT_ROLLOUT, [_values(r, ROLLOUT_COLS) for r in new])
         return new
 
@@ -237,10 +233,8 @@ class PostgresStore:
             now = self._now()
             self._requeue_expired(cur, now)
             rows = cur.execute(CLAIMABLE, (n,)).fetchall()
-            changes = {"runner_id": runner_id, "started_at": now,
-                       "lease_expires_at": now + lease_s, "error": None}  # fmt: skip
             moves = [
-                (r, {"attempt": r.attempt + 1, **changes}) for r in map(rollout_from_row, rows)
+                (r, claim_changes(r, runner_id, now, lease_s)) for r in map(rollout_from_row, rows)
             ]
             return self._transition(cur, moves, RolloutStatus.running)
 
@@ -266,21 +260,13 @@ class PostgresStore:
         reward: float | None = None,
         error: str | None = None,
     ) -> Rollout:
-        """Final status for `attempt`; the same rules as SqliteStore.finish (a queued
-        rollout is cancelled only with attempt 0, before any claim)."""
-        status = RolloutStatus(status)
-        if status not in FINISHED:
-            raise InvalidTransition(f"finish needs a final status, not {status.value}")
+        """Final status for `attempt` (who may finish: lifecycle.check_current)."""
+        status = final_status(status)
         with self._tx() as cur:
             r = self._get(cur, rollout_id, "FOR UPDATE")
-            if r.attempt != attempt or (r.status is RolloutStatus.queued and attempt > 0):
-                raise LeaseLost(
-                    f"rollout {rollout_id} attempt {attempt} is not the current attempt "
-                    f"(now {r.status.value}, attempt {r.attempt})"
-                )
+            check_current(r, attempt)
             now = self._now()
-            changes: dict[str, object] = {"answer": answer, "reward": reward, "error": error,
-                "finished_at": now, "runner_id": None, "lease_expires_at": None}  # fmt: skip
+            changes = finish_changes(answer, reward, error, now)
             (new,) = self._transition(cur, [(r, changes)], status)
             if reward is not None:
                 final = Reward(rollout_id=rollout_id, attempt=attempt, value=reward, created_at=now)
@@ -295,17 +281,14 @@ class PostgresStore:
         """Expired leases back to the queue, or timed out when out of attempts. Rows another
         transaction holds are skipped: it is finishing or extending them right now."""
         expired = [rollout_from_row(row) for row in cur.execute(EXPIRED, (now,)).fetchall()]
-        cleared = {"runner_id": None, "lease_expires_at": None}
-        retry: list[Move] = []
-        dead: list[Move] = []
+        moves: dict[RolloutStatus, list[Move]] = {
+            RolloutStatus.queued: [],
+            RolloutStatus.timed_out: [],
+        }
         for r in expired:
-            if r.attempt >= r.max_attempts:
-                error = f"lease expired after {r.attempt} attempts"
-                dead.append((r, {**cleared, "error": error, "finished_at": now}))
-            else:
-                retry.append((r, {**cleared, "error": "lease expired"}))
-        out = self._transition(cur, retry, RolloutStatus.queued)
-        out += self._transition(cur, dead, RolloutStatus.timed_out)
+            to, changes = expiry(r, now)
+            moves[to].append((r, changes))
+        out = [new for to, batch in moves.items() for new in self._transition(cur, batch, to)]
         order = {r.id: i for i, r in enumerate(expired)}
         return sorted(out, key=lambda r: order[r.id])
 
@@ -316,16 +299,7 @@ class PostgresStore:
         task_id: str | None = None,
         limit: int | None = None,
     ) -> list[Rollout]:
-        status_value = None if status is None else RolloutStatus(status).value
-        where, args = [], []
-        for col, val in (("status", status_value), ("group_id", group_id), ("task_id", task_id)):
-            if val is not None:
-                where.append(f"{col} = %s")
-                args.append(val)
-        sql = SELECT_ROLLOUT + (f" WHERE {' AND '.join(where)}" if where else "")
-        sql += " ORDER BY created_at, seq"
-        if limit is not None:
-            sql += f" LIMIT {int(limit)}"
+        sql, args = rollouts_query("%s", "seq", status, group_id, task_id, limit)
         with self._read() as cur:
             rows = cur.execute(sql, args).fetchall()
         return [rollout_from_row(r) for r in rows]
@@ -376,17 +350,13 @@ class PostgresStore:
             if cur.rowcount == 1:
                 return
             old = cur.execute(VERSION_PATH, (pv.role, pv.version)).fetchone() or ("",)
-            if old[0] == "" and pv.path:  # served first, its checkpoint written later
+            if sets_path(pv, old[0]):
                 cur.execute(SET_VERSION_PATH_PG, (pv.path, pv.role, pv.version))
-            elif pv.path and old[0] != pv.path:
-                raise Conflict(f"{pv.role} version {pv.version} already published at {old[0]}")
 
     def latest_version(self, role: str = "policy") -> PolicyVersion | None:
         with self._read() as cur:
             row = cur.execute(LATEST_VERSION, (role,)).fetchone()
-        if row is None:
-            return None
-        return PolicyVersion(role=row[0], version=row[1], path=row[2], created_at=row[3])
+        return None if row is None else version_from_row(row)
 
     def close(self) -> None:
         """Close the pool once (waiting for calls in flight); later calls raise StoreError."""

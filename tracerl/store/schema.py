@@ -3,7 +3,8 @@
 Owns the table definitions (and the columns added since a table first shipped, so older
 files open), the SQL statements derived from the records' fields, and the row <-> record
 conversions. SqliteStore (sqlite.py) owns the connection and the transactions. The column
-lists and codecs are shared with PostgresStore, whose tables have the same columns.
+lists, the codecs and `rollouts_query` are shared with PostgresStore, whose tables have the
+same columns.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from typing import Any
 import orjson
 
 from tracerl.store.packing import pack_floats, pack_ids, unpack_floats, unpack_ids
-from tracerl.types import Reward, Rollout, Span, Task
+from tracerl.types import PolicyVersion, Reward, Rollout, RolloutStatus, Span, Task
 
 __all__ = [
     "INSERT_REWARD",
@@ -32,10 +33,12 @@ __all__ = [
     "add_missing_columns",
     "reward_from_row",
     "rollout_from_row",
+    "rollouts_query",
     "span_from_row",
     "span_row",
     "task_from_row",
     "task_row",
+    "version_from_row",
 ]
 
 SCHEMA = """
@@ -157,6 +160,36 @@ def span_from_row(row: Sequence[object]) -> Span:
 def reward_from_row(row: Sequence[object]) -> Reward:
     """A rewards row (its REWARD_COLS) as a record."""
     return Reward.model_validate(dict(zip(REWARD_COLS, row, strict=True)))
+
+
+def version_from_row(row: Sequence[Any]) -> PolicyVersion:
+    """A versions row (role, version, path, created_at) as a record."""
+    return PolicyVersion(role=row[0], version=row[1], path=row[2], created_at=row[3])
+
+
+def rollouts_query(
+    mark: str,
+    tiebreak: str,
+    status: RolloutStatus | None,
+    group_id: str | None,
+    task_id: str | None,
+    limit: int | None,
+) -> tuple[str, list[object]]:
+    """The SELECT and its arguments for `Store.rollouts`: the rollouts matching every filter
+    given, oldest first. `mark` is the dialect's placeholder, `tiebreak` its insertion-order
+    column."""
+    status_value = None if status is None else RolloutStatus(status).value
+    where: list[str] = []
+    args: list[object] = []
+    for col, val in (("status", status_value), ("group_id", group_id), ("task_id", task_id)):
+        if val is not None:
+            where.append(f"{col} = {mark}")
+            args.append(val)
+    sql = SELECT_ROLLOUT + (f" WHERE {' AND '.join(where)}" if where else "")
+    sql += f" ORDER BY created_at, {tiebreak}"
+    if limit is not None:
+        sql += f" LIMIT {int(limit)}"
+    return sql, args
 
 
 SET_VERSION_PATH = "UPDATE versions SET path = ? WHERE role = ? AND version = ?"

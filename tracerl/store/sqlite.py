@@ -21,7 +21,6 @@ from __future__ import annotations
 import sqlite3
 import threading
 import time
-import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -29,7 +28,19 @@ from typing import TYPE_CHECKING
 
 import orjson
 
-from tracerl.store import Conflict, InvalidTransition, LeaseLost, NotFound, Store, StoreError
+from tracerl.store import Conflict, InvalidTransition, NotFound, Store, StoreError
+from tracerl.store.lifecycle import (
+    check_current,
+    check_found,
+    check_move,
+    check_running,
+    claim_changes,
+    expiry,
+    final_status,
+    finish_changes,
+    new_rollouts,
+    sets_path,
+)
 from tracerl.store.schema import (
     INSERT_REWARD,
     INSERT_ROLLOUT,
@@ -45,15 +56,15 @@ from tracerl.store.schema import (
     add_missing_columns,
     reward_from_row,
     rollout_from_row,
+    rollouts_query,
     span_from_row,
     span_row,
     task_from_row,
     task_row,
+    version_from_row,
 )
 from tracerl.store.sessions import open_sqlite_session
 from tracerl.types import (
-    FINISHED,
-    VALID_TRANSITIONS,
     PolicyVersion,
     Reward,
     Rollout,
@@ -119,10 +130,7 @@ class SqliteStore:
         self, db: sqlite3.Connection, r: Rollout, to: RolloutStatus, **changes: object
     ) -> Rollout:
         """The only place a rollout's status changes; refuses what VALID_TRANSITIONS lacks."""
-        if to not in VALID_TRANSITIONS[r.status]:
-            raise InvalidTransition(
-                f"rollout {r.id}: {r.status.value} -> {to.value} is not allowed"
-            )
+        check_move(r, to)
         new = r.model_copy(update={"status": to, **changes})
         values = [getattr(new, c) for c in MUTABLE]
         cur = db.execute(UPDATE_ROLLOUT, (*values, r.id, r.status.value))
@@ -132,13 +140,7 @@ class SqliteStore:
 
     def _running(self, db: sqlite3.Connection, rollout_id: str, attempt: int) -> Rollout:
         """The rollout, if `attempt` is its running attempt; else LeaseLost."""
-        r = self._get(db, rollout_id)
-        if r.status is not RolloutStatus.running or r.attempt != attempt:
-            raise LeaseLost(
-                f"rollout {rollout_id} attempt {attempt} is not running "
-                f"(now {r.status.value}, attempt {r.attempt})"
-            )
-        return r
+        return check_running(self._get(db, rollout_id), attempt)
 
     # -- tasks ----------------------------------------------------------------------------
 
@@ -175,17 +177,7 @@ class SqliteStore:
     ) -> list[Rollout]:
         if max_attempts < 1:
             raise ValueError("max_attempts must be at least 1")
-        now = time.time()
-        new = [
-            Rollout(
-                id=uuid.uuid4().hex[:16],
-                task_id=t,
-                group_id=group_id,
-                max_attempts=max_attempts,
-                created_at=now,
-            )
-            for t in task_ids
-        ]
+        new = new_rollouts(task_ids, group_id, max_attempts, time.time())
         with self._tx() as db:
             wanted = sorted(set(task_ids))
             found = {
@@ -195,8 +187,7 @@ class SqliteStore:
                     (orjson.dumps(wanted).decode(),),
                 )
             }
-            if missing := [t for t in wanted if t not in found]:
-                raise NotFound(f"no task {missing[0]!r}")
+            check_found(wanted, found)
             db.executemany(INSERT_ROLLOUT, [[getattr(r, c) for c in ROLLOUT_COLS] for r in new])
         return new
 
@@ -212,14 +203,7 @@ class SqliteStore:
             ).fetchall()
             return [
                 self._transition(
-                    db,
-                    r,
-                    RolloutStatus.running,
-                    attempt=r.attempt + 1,
-                    runner_id=runner_id,
-                    started_at=now,
-                    lease_expires_at=now + lease_s,
-                    error=None,
+                    db, r, RolloutStatus.running, **claim_changes(r, runner_id, now, lease_s)
                 )
                 for r in map(rollout_from_row, rows)
             ]
@@ -246,24 +230,13 @@ class SqliteStore:
         reward: float | None = None,
         error: str | None = None,
     ) -> Rollout:
-        """Final status for `attempt`. A queued rollout can only be failed (cancelled) with
-        attempt 0, i.e. before any claim; after one, a queued rollout means the caller's
-        lease was lost, so that is LeaseLost rather than a cancel."""
-        status = RolloutStatus(status)
-        if status not in FINISHED:
-            raise InvalidTransition(f"finish needs a final status, not {status.value}")
+        """Final status for `attempt` (who may finish: lifecycle.check_current)."""
+        status = final_status(status)
         with self._tx() as db:
             r = self._get(db, rollout_id)
-            if r.attempt != attempt or (r.status is RolloutStatus.queued and attempt > 0):
-                raise LeaseLost(
-                    f"rollout {rollout_id} attempt {attempt} is not the current attempt "
-                    f"(now {r.status.value}, attempt {r.attempt})"
-                )
+            check_current(r, attempt)
             now = time.time()
-            new = self._transition(
-                db, r, status, answer=answer, reward=reward, error=error, finished_at=now,
-                runner_id=None, lease_expires_at=None,
-            )  # fmt: skip
+            new = self._transition(db, r, status, **finish_changes(answer, reward, error, now))
             if reward is not None:
                 final = Reward(rollout_id=rollout_id, attempt=attempt, value=reward, created_at=now)
                 db.execute(INSERT_REWARD, [getattr(final, c) for c in REWARD_COLS])
@@ -279,14 +252,8 @@ class SqliteStore:
         ).fetchall()
         out = []
         for r in map(rollout_from_row, rows):
-            changes: dict[str, object] = {"error": "lease expired"}
-            to = RolloutStatus.queued
-            if r.attempt >= r.max_attempts:
-                changes = {"error": f"lease expired after {r.attempt} attempts", "finished_at": now}
-                to = RolloutStatus.timed_out
-            out.append(
-                self._transition(db, r, to, runner_id=None, lease_expires_at=None, **changes)
-            )
+            to, changes = expiry(r, now)
+            out.append(self._transition(db, r, to, **changes))
         return out
 
     def rollouts(
@@ -296,16 +263,7 @@ class SqliteStore:
         task_id: str | None = None,
         limit: int | None = None,
     ) -> list[Rollout]:
-        status_value = None if status is None else RolloutStatus(status).value
-        where, args = [], []
-        for col, val in (("status", status_value), ("group_id", group_id), ("task_id", task_id)):
-            if val is not None:
-                where.append(f"{col} = ?")
-                args.append(val)
-        sql = SELECT_ROLLOUT + (f" WHERE {' AND '.join(where)}" if where else "")
-        sql += " ORDER BY created_at, rowid"
-        if limit is not None:
-            sql += f" LIMIT {int(limit)}"
+        sql, args = rollouts_query("?", "rowid", status, group_id, task_id, limit)
         with self._read() as db:
             rows = db.execute(sql, args).fetchall()
         return [rollout_from_row(r) for r in rows]
@@ -368,10 +326,8 @@ class SqliteStore:
                     "INSERT INTO versions VALUES (?, ?, ?, ?)",
                     (pv.role, pv.version, pv.path, pv.created_at),
                 )
-            elif old[0] == "" and pv.path:  # served first, its checkpoint written later
+            elif sets_path(pv, old[0]):
                 db.execute(SET_VERSION_PATH, (pv.path, pv.role, pv.version))
-            elif pv.path and old[0] != pv.path:
-                raise Conflict(f"{pv.role} version {pv.version} already published at {old[0]}")
 
     def latest_version(self, role: str = "policy") -> PolicyVersion | None:
         with self._read() as db:
@@ -380,9 +336,7 @@ class SqliteStore:
                 "ORDER BY version DESC LIMIT 1",
                 (role,),
             ).fetchone()
-        if row is None:
-            return None
-        return PolicyVersion(role=row[0], version=row[1], path=row[2], created_at=row[3])
+        return None if row is None else version_from_row(row)
 
     def close(self) -> None:
         """Close the connection once; later calls (from any thread) raise StoreError."""

@@ -1,0 +1,114 @@
+"""The lifecycle rules both SQL stores apply: which rollout moves are allowed, which attempt
+may still write, what each move changes, and when a republished policy version takes a path.
+
+Pure functions of records already read; SqliteStore (sqlite.py) and PostgresStore
+(postgres.py) own the reading, locking and writing around them, so the two back ends
+cannot drift on a rule or an error message.
+"""
+
+from __future__ import annotations
+
+import uuid
+
+from tracerl.store import Conflict, InvalidTransition, LeaseLost, NotFound
+from tracerl.types import FINISHED, VALID_TRANSITIONS, PolicyVersion, Rollout, RolloutStatus
+
+__all__ = [
+    "check_current",
+    "check_found",
+    "check_move",
+    "check_running",
+    "claim_changes",
+    "expiry",
+    "finish_changes",
+    "final_status",
+    "new_rollouts",
+    "sets_path",
+]
+
+
+def new_rollouts(
+    task_ids: list[str], group_id: str | None, max_attempts: int, now: float
+) -> list[Rollout]:
+    """One queued rollout per task id (repeats allowed), each with a fresh id."""
+    return [
+        Rollout(id=uuid.uuid4().hex[:16], task_id=t, group_id=group_id,
+                max_attempts=max_attempts, created_at=now)
+        for t in task_ids
+    ]  # fmt: skip
+
+
+def check_found(wanted: list[str], found: set[str]) -> None:
+    """NotFound for the first wanted task id the store lacks."""
+    if missing := [t for t in wanted if t not in found]:
+        raise NotFound(f"no task {missing[0]!r}")
+
+
+def check_move(r: Rollout, to: RolloutStatus) -> None:
+    """InvalidTransition unless VALID_TRANSITIONS allows r's status -> `to`."""
+    if to not in VALID_TRANSITIONS[r.status]:
+        raise InvalidTransition(f"rollout {r.id}: {r.status.value} -> {to.value} is not allowed")
+
+
+def check_running(r: Rollout, attempt: int) -> Rollout:
+    """`r`, if `attempt` is its running attempt; else LeaseLost."""
+    if r.status is not RolloutStatus.running or r.attempt != attempt:
+        raise LeaseLost(
+            f"rollout {r.id} attempt {attempt} is not running "
+            f"(now {r.status.value}, attempt {r.attempt})"
+        )
+    return r
+
+
+def final_status(status: RolloutStatus | str) -> RolloutStatus:
+    """The status a finish asks for, refused (InvalidTransition) unless it is final."""
+    status = RolloutStatus(status)
+    if status not in FINISHED:
+        raise InvalidTransition(f"finish needs a final status, not {status.value}")
+    return status
+
+
+def check_current(r: Rollout, attempt: int) -> None:
+    """LeaseLost unless `attempt` may finish `r`. A queued rollout can only be finished
+    (cancelled) with attempt 0, i.e. before any claim; after one, a queued rollout means the
+    caller's lease was lost, so that is LeaseLost rather than a cancel."""
+    if r.attempt != attempt or (r.status is RolloutStatus.queued and attempt > 0):
+        raise LeaseLost(
+            f"rollout {r.id} attempt {attempt} is not the current attempt "
+            f"(now {r.status.value}, attempt {r.attempt})"
+        )
+
+
+def claim_changes(r: Rollout, runner_id: str, now: float, lease_s: float) -> dict[str, object]:
+    """What a claim changes besides the status (-> running): the next attempt, leased."""
+    return {"attempt": r.attempt + 1, "runner_id": runner_id, "started_at": now,
+            "lease_expires_at": now + lease_s, "error": None}  # fmt: skip
+
+
+def finish_changes(
+    answer: str | None, reward: float | None, error: str | None, now: float
+) -> dict[str, object]:
+    """What a finish changes besides the status: the outcome, and the lease released."""
+    return {"answer": answer, "reward": reward, "error": error, "finished_at": now,
+            "runner_id": None, "lease_expires_at": None}  # fmt: skip
+
+
+def expiry(r: Rollout, now: float) -> tuple[RolloutStatus, dict[str, object]]:
+    """Where a running rollout whose lease expired goes: back to the queue, or timed out
+    once its attempts are used up; and what that changes besides the status."""
+    cleared: dict[str, object] = {"runner_id": None, "lease_expires_at": None}
+    if r.attempt >= r.max_attempts:
+        error = f"lease expired after {r.attempt} attempts"
+        return RolloutStatus.timed_out, {**cleared, "error": error, "finished_at": now}
+    return RolloutStatus.queued, {**cleared, "error": "lease expired"}
+
+
+def sets_path(pv: PolicyVersion, stored_path: str) -> bool:
+    """Whether publishing `pv` again must write its path over the stored version's: yes when
+    that version was served before its checkpoint existed (no path) and `pv` has one;
+    Conflict when it is already published at another path; else nothing changes."""
+    if stored_path == "" and pv.path:
+        return True
+    if pv.path and stored_path != pv.path:
+        raise Conflict(f"{pv.role} version {pv.version} already published at {stored_path}")
+    return False
