@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
+from tests.scripted import TurnEngine
 from tracerl.agents import python_agent
 from tracerl.demo import example_module
 from tracerl.gateway import Gateway, ServedModel, create_app
@@ -24,7 +25,7 @@ from tracerl.runner import Runner, RunnerConfig
 from tracerl.server import BackgroundServer, serve_in_thread
 from tracerl.store.sqlite import SqliteStore
 from tracerl.tools import format_result, run_python
-from tracerl.types import Generation, RolloutStatus, SamplingParams, Task
+from tracerl.types import RolloutStatus, Task
 
 agent = example_module("code_calculator", "agent")
 tasks = example_module("code_calculator", "tasks")
@@ -41,27 +42,12 @@ PROBES = {
 """Questions the engine answers with a program of its own instead of the expert's."""
 
 
-def _turns(text: str) -> list[tuple[str, str]]:
-    """(role, content) of each closed turn of a rendered prompt."""
-    out = []
-    for part in text.split("<|end|>")[:-1]:  # the last piece is the open generation prompt
-        for role in ("system", "user", "assistant", "tool"):
-            marker = f"<|{role}|>"
-            if marker in part:
-                out.append((role, part.split(marker, 1)[1]))
-    return out
-
-
-class CodeEngine:
+class CodeEngine(TurnEngine):
     """A good coding model read off the prompt: the expert's program as a tool call, then
     the tool's output copied as the answer. Exact ids, fixed log-probs."""
 
     def __init__(self, tokenizer) -> None:  # type: ignore[no-untyped-def]
-        self.tokenizer = tokenizer
-        self.eos = tokenizer.convert_tokens_to_ids("<|end|>")
-        self.eos_token_ids = [self.eos]
-        self.max_context = 4096
-        self.policy_version = 2
+        super().__init__(tokenizer, max_context=4096, policy_version=2, logprob=-0.3)
 
     def reply(self, turns: list[tuple[str, str]]) -> str:
         if turns[-1][0] == "tool":
@@ -69,23 +55,6 @@ class CodeEngine:
         question = next(c for r, c in turns if r == "user")
         code = PROBES.get(question) or expert.program(question)
         return format_tool_call("python", {"code": code})
-
-    async def generate(self, prompt_ids: list[int], params: SamplingParams) -> Generation:
-        text = self.tokenizer.decode(prompt_ids, skip_special_tokens=False)
-        ids = [*self.tokenizer.encode(self.reply(_turns(text)), add_special_tokens=False)]
-        ids.append(self.eos)
-        return Generation(
-            completion_ids=ids,
-            logprobs=[-0.3] * len(ids),
-            finish_reason="stop",
-            policy_version=self.policy_version,
-        )
-
-    def load_state_dict(self, state: dict, version: int) -> None:
-        self.policy_version = version
-
-    def close(self) -> None:
-        pass
 
 
 @dataclass

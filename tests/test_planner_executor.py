@@ -27,6 +27,7 @@ import pytest
 from rich.console import Console
 from transformers import AutoTokenizer
 
+from tests.scripted import TurnEngine
 from tracerl.agents import python_agent
 from tracerl.demo import example_dir
 from tracerl.evaluate import role_stats
@@ -34,7 +35,7 @@ from tracerl.gateway import Gateway, ServedModel, create_app
 from tracerl.runner import Runner, RunnerConfig
 from tracerl.server import BackgroundServer, serve_in_thread
 from tracerl.store.sqlite import SqliteStore
-from tracerl.types import Generation, RolloutStatus, SamplingParams, Span, Task
+from tracerl.types import RolloutStatus, Span, Task
 
 EXAMPLE = example_dir("planner_executor")
 
@@ -52,24 +53,13 @@ def _load(name: str) -> ModuleType:
 agent, tasks, reward = _load("agent"), _load("tasks"), _load("reward")
 
 
-def _turns(text: str) -> list[tuple[str, str]]:
-    """(role, content) of each closed turn of a rendered prompt."""
-    out = []
-    for part in text.split("<|end|>"):
-        for role in ("system", "user", "assistant", "tool"):
-            marker = f"<|{role}|>"
-            if marker in part:
-                out.append((role, part.split(marker, 1)[1]))
-    return out
-
-
 def _call(name: str, key: str, value: str) -> str:
     return json.dumps({"name": name, "arguments": {key: value}}).join(
         ["<tool_call>", "</tool_call>"]
     )
 
 
-class RoleEngine:
+class RoleEngine(TurnEngine):
     """A perfect planner or executor, read off the prompt; exact ids, fixed log-probs.
 
     With `delegate`, the planner asks a three-operation question's first two operations as
@@ -77,12 +67,9 @@ class RoleEngine:
     """
 
     def __init__(self, tokenizer, role: str, delegate: bool = False) -> None:  # type: ignore[no-untyped-def]
-        self.tokenizer = tokenizer
+        version = 0 if role == "planner" else 5
+        super().__init__(tokenizer, max_context=2048, policy_version=version, logprob=-0.2)
         self.role, self.delegate = role, delegate
-        self.eos = tokenizer.convert_tokens_to_ids("<|end|>")
-        self.eos_token_ids = [self.eos]
-        self.max_context = 2048
-        self.policy_version = 0 if role == "planner" else 5
 
     def reply(self, turns: list[tuple[str, str]]) -> str:
         question = next(c for r, c in turns if r == "user")
@@ -104,23 +91,6 @@ class RoleEngine:
         if len(results) == len(asks):
             return results[-1]
         return _call("ask_executor", "question", asks[len(results)].format(*results[-1:]))
-
-    async def generate(self, prompt_ids: list[int], params: SamplingParams) -> Generation:
-        text = self.tokenizer.decode(prompt_ids, skip_special_tokens=False)
-        reply = self.reply(_turns(text))
-        ids = [*self.tokenizer.encode(reply, add_special_tokens=False), self.eos]
-        return Generation(
-            completion_ids=ids,
-            logprobs=[-0.2] * len(ids),
-            finish_reason="stop",
-            policy_version=self.policy_version,
-        )
-
-    def load_state_dict(self, state: dict, version: int) -> None:
-        self.policy_version = version
-
-    def close(self) -> None:
-        pass
 
 
 @dataclass
