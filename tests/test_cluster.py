@@ -133,18 +133,18 @@ def test_two_nodes_learn_like_one_process_and_listen_on_loopback_only(
 
     result = json.loads((tmp_path / "result.json").read_text())
     one, two = result["one"], result["cluster"]
-    assert two["steps"] == 4 and two["rollouts_trained"] == one["rollouts_trained"] == 4 * 8 * 4
+    assert two["steps"] == 5 and two["rollouts_trained"] == one["rollouts_trained"] == 5 * 8 * 8
     assert two["success_after"] >= two["success_before"] + 0.2, two
     assert abs(two["success_after"] - one["success_after"]) <= 0.2, (one, two)
     # Runners ran on both nodes, one actor each, and the metrics say so every step.
     metrics = result["metrics"]
-    assert len(metrics) == 4
+    assert len(metrics) == 5
     for step in metrics:
         assert step["cluster/nodes"] == 2
         assert step["cluster/runners/nodeA"] == step["cluster/runners/nodeB"] == 1
     last = metrics[-1]
     assert last["cluster/rollouts/nodeA"] > 0 and last["cluster/rollouts/nodeB"] > 0
-    assert last["cluster/rollouts/nodeA"] + last["cluster/rollouts/nodeB"] >= 4 * 8 * 4
+    assert last["cluster/rollouts/nodeA"] + last["cluster/rollouts/nodeB"] >= 5 * 8 * 8
 
 
 LOOPBACK = {"127.0.0.1", "[::ffff:127.0.0.1]", "[::1]"}
