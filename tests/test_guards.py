@@ -51,6 +51,22 @@ def test_entropy_length_and_kl_signals_compare_with_the_start() -> None:
     assert not det.collapsed  # warnings only: a drop of reward or success is the collapse
 
 
+def test_entropy_falling_while_the_reward_rises_is_learning_not_a_crash() -> None:
+    sure = BatchStats(sampled_nll=0.02, completion_tokens=20.0, calls=2.0, mixed_groups=0.5)
+    learning, stuck = CollapseDetector(GuardConfig()), CollapseDetector(GuardConfig())
+    for step in range(1, 4):
+        learning.observe(step, 0.3, STEADY, 0.001)
+        stuck.observe(step, 0.3, STEADY, 0.001)
+    for step, (reward, nll) in enumerate([(0.6, 0.5), (0.8, 0.1), (0.9, 0.02)], start=4):
+        stats = sure.model_copy(update={"sampled_nll": nll})
+        assert learning.observe(step, reward, stats, 0.001) == []
+    for step in range(4, 8):
+        warnings = stuck.observe(step, 0.32, sure, 0.001)
+        assert _kinds(warnings) == {"entropy_crash"}
+    # Every step warns (progress line, metrics); the log and the summary hold the onset once.
+    assert stuck.onsets == ["step 4: " + warnings[0]]
+
+
 def test_a_held_out_drop_below_the_best_is_a_collapse() -> None:
     det = CollapseDetector(GuardConfig(success_drop=0.15))
     assert det.observe_eval(0, 0.4) == [] and det.observe_eval(5, 0.7) == []
@@ -145,4 +161,4 @@ def test_a_run_collapsing_on_purpose_exports_the_best_checkpoint(
     if respond:
         rolled = [m for m in metrics if "guard/rollback" in m]
         assert rolled and rolled[0]["guard/lr"] == pytest.approx(2.5e-2)
-        assert any(w.startswith("rollback") for w in summary.warnings)
+        assert any("rollback:" in w for w in summary.warnings)
