@@ -52,6 +52,7 @@ from __future__ import annotations
 from contextlib import ExitStack
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from tracerl.auth import Keys
 from tracerl.engines.base import Engine
@@ -64,17 +65,24 @@ from tracerl.server import BackgroundServer, serve_in_thread
 from tracerl.store import Store
 from tracerl.store.open import open_store
 
+if TYPE_CHECKING:
+    from tracerl.engines.launch import Placement
 
-def make_engine(model_dir: str | Path, cfg: EngineConfig, version: int = 0) -> Engine:
-    """Build the configured engine for a local model directory."""
+
+def make_engine(
+    model_dir: str | Path, cfg: EngineConfig, version: int = 0, place: Placement | None = None
+) -> Engine:
+    """Build the configured engine for a local model directory. `place` says where a server
+    engine's servers start (None: child processes of this one; a cluster's nodes:
+    tracerl.cluster.engines); the in-process hf engine ignores it."""
     if cfg.kind == "vllm":
         from tracerl.engines.vllm import VLLMEngine
 
-        return VLLMEngine(model_dir, cfg, policy_version=version)
+        return VLLMEngine(model_dir, cfg, policy_version=version, place=place)
     if cfg.kind == "hf_server":
         from tracerl.engines.hf_server import HFServerEngine
 
-        return HFServerEngine(model_dir, cfg, policy_version=version)
+        return HFServerEngine(model_dir, cfg, policy_version=version, place=place)
     from tracerl.engines.hf import HFEngine
 
     return HFEngine(
@@ -156,17 +164,19 @@ def start_multi_stack(
     keys: Keys | None = None,
     limits: Limits | None = None,
     gateway_cfg: GatewayConfig | None = None,
+    place: Placement | None = None,
 ) -> LocalStack:
     """One engine per entry of `models` (policy -> model dir); the gateway answers to each
     role of `roles` (role -> policy) with that policy's engine, to each role of `remote` by
     forwarding to its OpenAI-compatible URL, and to other names as `gateway_cfg` maps them.
-    `keys` (None: open) and `limits` guard the HTTP API (tracerl.auth, tracerl.limits)."""
+    `keys` (None: open) and `limits` guard the HTTP API (tracerl.auth, tracerl.limits);
+    `place` puts server engines' servers (see make_engine)."""
     engine_cfg = engine_cfg or EngineConfig()
     missing = sorted(set(roles.values()) - set(models))
     if missing:
         raise ValueError(f"roles name policies with no model: {missing}")
     store = open_store(store_path)  # a postgresql:// URL shares the store between machines
-    engines = {name: make_engine(path, engine_cfg) for name, path in models.items()}
+    engines = {name: make_engine(path, engine_cfg, place=place) for name, path in models.items()}
     # The gateway renders each role's prompts with its engine's own tokenizer.
     served = {
         role: ServedModel(

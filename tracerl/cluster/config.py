@@ -1,4 +1,5 @@
-"""ClusterConfig: where a run's runners and trainer ranks go when Ray places them.
+"""ClusterConfig: where a run's runners, engine servers and trainer ranks go when Ray places
+them.
 
 Torch-free and Ray-free: TrainConfig holds it, and reading a config imports neither.
 """
@@ -34,6 +35,12 @@ class ClusterConfig(BaseModel):
     """CPUs each trainer rank actor reserves."""
     rank_gpus: float = Field(default=0.0, ge=0)
     """GPUs each trainer rank actor reserves: 1 with `device = "cuda"` (ranks then use NCCL)."""
+    engine_cpus: float = Field(default=1.0, gt=0)
+    """CPUs each engine replica's actor reserves (engine.kind "hf_server" or "vllm": Ray
+    starts each of the engine.replicas servers on a node, spread over the nodes)."""
+    engine_gpus: float = Field(default=0.0, ge=0)
+    """GPUs each engine replica's actor reserves: on a GPU cluster 1 (or the GPUs of one
+    server); its server sees the GPUs Ray gave the actor (CUDA_VISIBLE_DEVICES)."""
     gateway_host: str = "127.0.0.1"
     """Where the gateway and its store API listen; runners on other machines must reach it.
     127.0.0.1 serves only nodes sharing this machine's loopback (a one-machine cluster, the
@@ -46,4 +53,4 @@ class ClusterConfig(BaseModel):
     namespace: str = "tracerl"
     """Ray namespace of the run's actors."""
     place_timeout_s: float = Field(default=120.0, gt=0)
-    """How long to wait for Ray to place the runners and trainer ranks."""
+    """How long to wait for Ray to place the runners, engine servers and trainer ranks."""

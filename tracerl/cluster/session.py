@@ -1,18 +1,23 @@
 """A run's hold on a Ray cluster: join (or start) Ray, place what the run needs, tear it down.
 
 `Cluster` is built by the training run (tracerl.pipeline.run) when `cluster.address` is
-set. It places the runners (tracerl.cluster.runners) and the trainer ranks
-(tracerl.cluster.ranks), reports runner counts per node for the metrics, and on `close`
-removes everything it placed, by handle: the actors, the placement group, and, when it
-started Ray itself (address "local"), that Ray (`ray.shutdown` stops the processes this
-driver started, nothing else). It never runs `ray stop`, which kills by name machine-wide.
+set, before its serving stack. It places the runners (tracerl.cluster.runners), the servers
+of server engines (tracerl.cluster.engines: `engine_servers` is the stack's Placement) and
+the trainer ranks (tracerl.cluster.ranks), and reports per node for the metrics. Teardown
+is by handle, in two parts: `release` removes the runners and trainer ranks (before the
+serving stack closes: runners write to its store); the stack's engines then stop their
+own servers' actors; `close` removes whatever is left (engine servers included), then
+leaves Ray, or stops it when it started Ray itself (address "local": `ray.shutdown` stops
+the processes this driver started, nothing else). It never runs `ray stop`, which kills by
+name machine-wide.
 
-The engines stay in the driver process, beside the gateway and the store: on this
-version's CPU machines one engine serves the runners of every node over HTTP.
+The engines themselves (routing, weight sync, restarts) stay in the driver beside the
+gateway and the store; an in-process engine (`engine.kind = "hf"`) serves from there too.
 """
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
@@ -23,6 +28,7 @@ from ray.util.placement_group import remove_placement_group
 
 from tracerl.agents import RewardFn
 from tracerl.cluster.config import ClusterConfig
+from tracerl.cluster.engines import RayLauncher
 from tracerl.cluster.ranks import TrainerRanks
 from tracerl.cluster.runners import RemoteRunners, RunnerSpec, place_runners
 from tracerl.pipeline.sources import Agents, RolloutRunner
@@ -47,7 +53,16 @@ class Cluster:
             ray.init(**_init_args(cfg))
         self.ranks = TrainerRanks(cfg)
         self.runners: RemoteRunners | None = None
+        self.engines: list[RayLauncher] = []
         self._pg: Any = None
+        self._released = False
+
+    def engine_servers(self, replicas: int) -> RayLauncher:
+        """Where a server engine's `replicas` servers start: spread over the nodes (a
+        tracerl.engines.launch.Placement)."""
+        launcher = RayLauncher(replicas, self.cfg, f"{self.run}/engine{len(self.engines)}/")
+        self.engines.append(launcher)
+        return launcher
 
     def agents(
         self,
@@ -87,19 +102,26 @@ class Cluster:
     def values(self) -> dict[str, float]:
         """Metrics of the step, per node (named by its node id's first 8 hex digits):
         `cluster/runners/<node>` live runner actors, `cluster/rollouts/<node>` rollouts they
-        finished so far; and `cluster/nodes`, the nodes with a live runner."""
-        if self.runners is None:
-            return {}
-        self.runners.refresh()
+        finished so far, `cluster/nodes` the nodes with a live runner; and
+        `cluster/engines/<node>` engine servers running there (server engines only)."""
         out: dict[str, float] = {}
-        for node, (live, finished) in sorted(self.runners.per_node().items()):
-            out[f"cluster/runners/{node}"] = live
-            out[f"cluster/rollouts/{node}"] = finished
-        out["cluster/nodes"] = sum(1 for k, v in out.items() if "/runners/" in k and v)
+        if self.runners is not None:
+            self.runners.refresh()
+            for node, (live, finished) in sorted(self.runners.per_node().items()):
+                out[f"cluster/runners/{node}"] = live
+                out[f"cluster/rollouts/{node}"] = finished
+            out["cluster/nodes"] = sum(1 for k, v in out.items() if "/runners/" in k and v)
+        servers: Counter[str] = Counter()
+        for launcher in self.engines:
+            servers.update(launcher.per_node())
+        out |= {f"cluster/engines/{node}": n for node, n in sorted(servers.items())}
         return out
 
-    def close(self) -> None:
-        """Remove what the run placed, then leave (or stop) Ray; safe to call twice."""
+    def release(self) -> None:
+        """Remove the runners and the trainer ranks; safe to call twice."""
+        if self._released:
+            return
+        self._released = True
         if self.runners is not None:
             self.runners.close()
             self.runners = None
@@ -107,6 +129,13 @@ class Cluster:
         if self._pg is not None:
             remove_placement_group(self._pg)
             self._pg = None
+
+    def close(self) -> None:
+        """Remove what the run placed and is still there, then leave (or stop) Ray; safe to
+        call twice."""
+        self.release()
+        for launcher in self.engines:
+            launcher.close()
         if self.connected:
             ray.shutdown()
             self.connected = False

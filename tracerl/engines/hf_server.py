@@ -2,7 +2,7 @@
 that RemoteEngine uses, so it is served, routed, restarted and synced exactly like vLLM.
 
 `python -m tracerl.engines.hf_server --model DIR --port P` serves one HFEngine on
-127.0.0.1:P:
+127.0.0.1:P (or `--host`, a cluster node's address):
 
 - `POST /v1/completions`: a token-id prompt; answers vLLM's fields (`choices[0].token_ids`,
   `logprobs.token_logprobs`, `finish_reason`, `stop_reason`). The log-probs are HFEngine's,
@@ -209,25 +209,27 @@ class HFServerEngine(LaunchedEngine):
 
     name = "hf_server"
 
-    def command(self, port: int) -> list[str]:
-        """`python -m tracerl.engines.hf_server` with the engine config's settings."""
+    def command(self, host: str, port: str) -> list[str]:
+        """`python -m tracerl.engines.hf_server` with the engine config's settings (this
+        Python: a cluster's nodes have tracerl's environment at the same path)."""
         cfg = self.cfg
         return [
             sys.executable, "-m", "tracerl.engines.hf_server",
-            "--model", str(self.model_dir), "--port", str(port),
+            "--model", str(self.model_dir), "--host", host, "--port", port,
             "--device", cfg.device, "--max-batch-size", str(cfg.max_batch_size),
             "--seed", str(cfg.seed),
         ]  # fmt: skip
 
 
 def main(argv: list[str] | None = None) -> None:
-    """Serve one model on 127.0.0.1 until killed."""
+    """Serve one model on 127.0.0.1 (or --host) until killed."""
     import uvicorn
 
     from tracerl.engines.hf import HFEngine
 
     parser = argparse.ArgumentParser(description="Serve a transformers model for tracerl.")
     parser.add_argument("--model", required=True, help="local HF model directory")
+    parser.add_argument("--host", default="127.0.0.1", help="address to listen on")
     parser.add_argument("--port", type=int, required=True)
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--max-batch-size", type=int, default=32)
@@ -238,7 +240,7 @@ def main(argv: list[str] | None = None) -> None:
     )
     try:
         uvicorn.run(
-            create_app(engine), host="127.0.0.1", port=args.port, log_level="warning",
+            create_app(engine), host=args.host, port=args.port, log_level="warning",
             access_log=False,
         )  # fmt: skip
     finally:

@@ -1,27 +1,35 @@
 """Engine servers started, watched, restarted and stopped by this process.
 
-`LaunchedEngine` is a RemoteEngine whose servers are child processes of this one: vLLM's
-(tracerl.engines.vllm) or tracerl's transformers server (tracerl.engines.hf_server); a
-subclass says only which command starts one. Each server runs in its own process group,
-bound to 127.0.0.1 on a free port, logging to `log_dir`. A watch thread notices a server
-whose process exited; it and any failed connection take the replica out of service, and its
-recovery starts a fresh server (RemoteEngine then loads the current weights into it before
-it takes calls). Every group is killed on close and at interpreter exit.
+`LaunchedEngine` is a RemoteEngine whose servers it starts: vLLM's (tracerl.engines.vllm)
+or tracerl's transformers server (tracerl.engines.hf_server); a subclass says only which
+command starts one (a `ServerCommand`). A `Launcher` says where: by default
+(`LocalLauncher`) each is a child process of this one; a cluster run's launcher
+(tracerl.cluster.engines) has Ray start each on a node of its own. Either way a server
+(`ServerProcess`) runs in its own process group, bound to a free port of its machine's
+loopback (or of the node's address on a real cluster), logging to `log_dir`. A watch thread
+notices a server whose process exited; it and any failed connection take the replica out of
+service, and its recovery starts a fresh server (RemoteEngine then loads the current weights
+into it before it takes calls). Every group is killed on close and at interpreter exit.
 """
 
 from __future__ import annotations
 
 import atexit
 import contextlib
+import ctypes
 import os
 import shutil
 import signal
 import socket
 import subprocess
+import sys
 import tempfile
 import threading
 import time
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Protocol
 
 import httpx
 from transformers import AutoConfig, AutoTokenizer, GenerationConfig, PreTrainedTokenizerBase
@@ -31,12 +39,20 @@ from tracerl.engines.remote import RemoteEngine
 from tracerl.engines.replicas import Replica
 
 __all__ = [
+    "HOST",
+    "PORT",
     "LaunchedEngine",
+    "Launcher",
+    "LocalLauncher",
+    "Placement",
+    "Server",
+    "ServerCommand",
     "ServerProcess",
     "eos_token_ids",
     "group_has_others",
     "live_servers",
     "source_env",
+    "wait_healthy",
 ]
 
 SOURCE_ROOT = Path(__file__).resolve().parents[2]
@@ -65,12 +81,100 @@ def source_env() -> dict[str, str]:
     return env
 
 
-class ServerProcess:
-    """One server child process, in its own process group, on a free loopback port."""
+HOST, PORT = "{host}", "{port}"
+"""Arguments of a ServerCommand that stand for the address its server binds, filled in where
+it starts."""
 
-    def __init__(self, name: str, command: list[str], port: int, env: dict[str, str], log_dir: str):
+
+@dataclass(frozen=True)
+class ServerCommand:
+    """How to start one engine server, wherever it runs (a cluster sends it to a node)."""
+
+    name: str
+    """Names the server's log (<name>-<port>.log) and errors."""
+    argv: tuple[str, ...]
+    """Its command line; the arguments HOST and PORT stand for the address it binds."""
+    env: dict[str, str]
+    """Variables set over the starting machine's environment (see source_env)."""
+    log_dir: str
+    """Directory of its log, on the machine it runs on."""
+
+    def start(self, host: str = "127.0.0.1", die_with_parent: bool = False) -> ServerProcess:
+        """The server, started now on a free port of `host`; `die_with_parent`: it gets
+        SIGTERM when the process that started it dies (Linux), however that process ends."""
+        port = _free_port(host)
+        argv = [host if a == HOST else str(port) if a == PORT else a for a in self.argv]
+        env = source_env() | self.env
+        return ServerProcess(self.name, argv, port, env, self.log_dir, host, die_with_parent)
+
+
+class Server(Protocol):
+    """A started server as its engine sees it: here (ServerProcess) or on a cluster node."""
+
+    url: str
+    """Its base URL, reachable from this process."""
+    log_path: Path
+    """Its log, on the machine it runs on."""
+
+    def wait_ready(self, timeout_s: float) -> None:
+        """Wait until it answers /health; on exit or timeout, stop it and raise."""
+        ...
+
+    def exited(self) -> int | None:
+        """Its exit code once its process ended, else None."""
+        ...
+
+    def log_tail(self, lines: int = 30) -> str:
+        """The last lines of its log."""
+        ...
+
+    def stop(self) -> None:
+        """Stop it and whatever it started."""
+        ...
+
+
+class Launcher(Protocol):
+    """Where an engine's servers start."""
+
+    def start(self, index: int, command: ServerCommand) -> Server:
+        """The server of replica `index`, started (not yet ready: see Server.wait_ready)."""
+        ...
+
+    def close(self) -> None:
+        """Release what starting servers took (the servers themselves are stopped first)."""
+        ...
+
+
+Placement = Callable[[int], Launcher]
+"""Given an engine's replica count, the launcher of its servers."""
+
+
+class LocalLauncher:
+    """Servers as child processes of this one, on this machine's loopback."""
+
+    def start(self, index: int, command: ServerCommand) -> Server:
+        """See Launcher.start."""
+        return command.start()
+
+    def close(self) -> None:
+        """Nothing to release."""
+
+
+class ServerProcess:
+    """One server child process, in its own process group, on a free port of `host`."""
+
+    def __init__(
+        self,
+        name: str,
+        command: list[str],
+        port: int,
+        env: dict[str, str],
+        log_dir: str,
+        host: str = "127.0.0.1",
+        die_with_parent: bool = False,
+    ):
         self.port = port
-        self.url = f"http://127.0.0.1:{port}"
+        self.url = f"http://{host}:{port}"
         Path(log_dir).mkdir(parents=True, exist_ok=True)
         self.log_path = Path(log_dir) / f"{name}-{port}.log"
         with open(self.log_path, "wb") as log:
@@ -81,21 +185,13 @@ class ServerProcess:
                 stderr=subprocess.STDOUT,
                 env=env,
                 start_new_session=True,  # its own process group: kill it whole
+                preexec_fn=_die_with_parent if die_with_parent else None,
             )
         _LIVE.add(self)
 
     def wait_ready(self, timeout_s: float) -> None:
         """Wait until /health answers 200; on exit or timeout, stop it and raise."""
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            code = self.exited()
-            if code is not None:
-                self._fail(f"exited with code {code} while starting")
-            with contextlib.suppress(httpx.HTTPError):
-                if httpx.get(f"{self.url}/health", timeout=2.0).status_code == 200:
-                    return
-            time.sleep(0.5)
-        self._fail(f"did not answer /health within {timeout_s:.0f} s")
+        wait_healthy(self, timeout_s)
 
     def exited(self) -> int | None:
         """The exit code of the server's main process once it ended, else None.
@@ -136,29 +232,60 @@ class ServerProcess:
         _kill_group(pid, signal.SIGKILL)  # the unreaped main process still holds the group id
         self.process.wait(timeout=10)
 
-    def _fail(self, what: str) -> None:
-        self.stop()
-        raise RuntimeError(
-            f"server on {self.url} {what}; log {self.log_path} ends with:\n{self.log_tail()}"
-        )
+
+def wait_healthy(server: Server, timeout_s: float) -> None:
+    """Wait until `server` answers /health with 200; if it exits first or the time runs
+    out, stop it and raise with the end of its log."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        code = server.exited()
+        if code is not None:
+            _fail(server, f"exited with code {code} while starting")
+        with contextlib.suppress(httpx.HTTPError):
+            if httpx.get(f"{server.url}/health", timeout=2.0).status_code == 200:
+                return
+        time.sleep(0.5)
+    _fail(server, f"did not answer /health within {timeout_s:.0f} s")
+
+
+def _fail(server: Server, what: str) -> None:
+    tail = server.log_tail()
+    server.stop()
+    where = f"server on {server.url} {what}; log {server.log_path}"
+    raise RuntimeError(f"{where} ends with:\n{tail}")
+
+
+def _die_with_parent() -> None:
+    """In a server's process before exec: ask Linux for SIGTERM when its parent dies."""
+    if sys.platform.startswith("linux"):
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
 
 
 class LaunchedEngine(RemoteEngine):
-    """RemoteEngine over `cfg.replicas` servers started here (or the user's, `cfg.urls`)."""
+    """RemoteEngine over `cfg.replicas` servers it starts (or the user's, `cfg.urls`):
+    child processes of this one, or wherever `place` puts them."""
 
     name = "server"
     """Names the servers' logs (<name>-<port>.log) and errors."""
     drop_tied_head = False
     """Whether weights sent to the servers leave out a head tied to the embedding."""
 
-    def __init__(self, model_dir: str | Path, cfg: EngineConfig, policy_version: int = 0) -> None:
-        self.model_dir = Path(model_dir)
+    def __init__(
+        self,
+        model_dir: str | Path,
+        cfg: EngineConfig,
+        policy_version: int = 0,
+        place: Placement | None = None,
+    ) -> None:
+        # Absolute: a server may start in another working directory (a Ray worker's).
+        self.model_dir = Path(model_dir).resolve()
         self.cfg = cfg
+        self.launcher: Launcher = (place or _local)(cfg.replicas) if not cfg.urls else _local(0)
         tokenizer = AutoTokenizer.from_pretrained(model_dir)
         config = AutoConfig.from_pretrained(model_dir)
         # Set before the servers start: their command lines take it.
         self.max_context = int(config.max_position_embeddings)
-        self.servers: list[ServerProcess] = []
+        self.servers: list[Server] = []
         self._lock = threading.Lock()  # guards `servers` against close during a restart
         self._stopped = threading.Event()
         self._own_weights_dir = cfg.weights_dir is None
@@ -186,23 +313,25 @@ class LaunchedEngine(RemoteEngine):
 
     # -- what a subclass says ----------------------------------------------------------
 
-    def command(self, port: int) -> list[str]:
-        """The command line of one server listening on 127.0.0.1:`port`."""
+    def command(self, host: str, port: str) -> list[str]:
+        """The command line of one server listening on `host`:`port` (called with the
+        placeholders HOST and PORT; absolute paths only: it may run elsewhere)."""
         raise NotImplementedError
 
     def env(self) -> dict[str, str]:
-        """The environment of a started server."""
-        return source_env()
+        """Variables a started server gets over its machine's environment (source_env)."""
+        return {}
 
     # -- servers -------------------------------------------------------------------------
 
-    def _new_server(self) -> ServerProcess:
-        port = _free_port()
-        return ServerProcess(self.name, self.command(port), port, self.env(), self.cfg.log_dir)
+    def _new_server(self, index: int) -> Server:
+        log_dir = str(Path(self.cfg.log_dir).resolve())
+        command = ServerCommand(self.name, tuple(self.command(HOST, PORT)), self.env(), log_dir)
+        return self.launcher.start(index, command)
 
     def _start_servers(self) -> list[str]:
-        for _ in range(self.cfg.replicas):
-            self.servers.append(self._new_server())
+        for index in range(self.cfg.replicas):
+            self.servers.append(self._new_server(index))
         for server in self.servers:
             server.wait_ready(self.cfg.startup_timeout_s)
         return [server.url for server in self.servers]
@@ -237,17 +366,19 @@ class LaunchedEngine(RemoteEngine):
             if self._stopped.is_set():
                 raise RuntimeError("engine is closed")
             self.servers[replica.index].stop()
-            server = self.servers[replica.index] = self._new_server()
+            server = self.servers[replica.index] = self._new_server(replica.index)
         server.wait_ready(self.cfg.startup_timeout_s)
         return server.url
 
     def close(self) -> None:
         """Stop the client, then kill the servers started here and drop their weights."""
-        super().close()
+        if hasattr(self, "replicas"):  # a start that failed never set up the client
+            super().close()
         with self._lock:
             self._stopped.set()
             for server in self.servers:
                 server.stop()
+            self.launcher.close()
         if self._own_weights_dir:
             shutil.rmtree(self.weights_dir, ignore_errors=True)
 
@@ -270,10 +401,15 @@ def eos_token_ids(model_dir: str | Path, tokenizer: PreTrainedTokenizerBase) -> 
     return ids
 
 
-def _free_port() -> int:
-    """A TCP port free on 127.0.0.1 now (the server binds it a moment later)."""
+def _local(replicas: int) -> Launcher:
+    """The default Placement: every server a child process of this one."""
+    return LocalLauncher()
+
+
+def _free_port(host: str) -> int:
+    """A TCP port free on `host` now (the server binds it a moment later)."""
     with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
+        sock.bind((host, 0))
         return int(sock.getsockname()[1])
 
 

