@@ -95,7 +95,7 @@ def main() -> None:
     tasks = write_calculator_tasks(out / "tasks.jsonl", 40, 8)  # a short final evaluation
     cfg = calculator_config(
         runs, "engines", tasks=str(tasks), eval_before=False, guard={"preflight": False},
-        pipeline={"steps": 2, "tasks_per_step": 4},
+        pipeline={"steps": 2, "tasks_per_step": 4, "group_size": 4},
         engine={"kind": "hf_server", "replicas": 2, "log_dir": str(out / "engine-logs")},
         cluster={"address": os.environ["RAY_ADDRESS"]},
     )  # fmt: skip
