@@ -243,18 +243,32 @@ def test_a_replica_killed_under_load_costs_no_call_and_comes_back_current(
     prompt = _prompt(engine, "What is 12+30?")
     victim = engine.servers[0]
 
-    async def load() -> list[Generation]:
-        calls = [
-            engine.generate(
-                prompt, SamplingParams(max_tokens=64, temperature=1.0, seed=i), routing_key=f"k{i}"
+    async def wave(n: int, http: httpx.AsyncClient) -> list[Generation] | None:
+        """24 calls; kill the victim once it runs one of them. None when they all ended
+        before it was seen running one (a busy machine polls slowly): try another wave."""
+        tasks = [
+            asyncio.ensure_future(
+                engine.generate(
+                    prompt,
+                    SamplingParams(max_tokens=64, temperature=1.0, seed=i),
+                    routing_key=f"w{n}k{i}",
+                )
             )
             for i in range(24)
         ]
-        tasks = [asyncio.ensure_future(c) for c in calls]
-        while httpx.get(f"{victim.url}/health").json()["running"] == 0:
-            await asyncio.sleep(0.01)
+        while (await http.get(f"{victim.url}/health")).json()["running"] == 0:
+            if all(t.done() for t in tasks):
+                return None
+            await asyncio.sleep(0.002)
         os.kill(victim.process.pid, signal.SIGKILL)
         return list(await asyncio.gather(*tasks))
+
+    async def load() -> list[Generation]:
+        async with httpx.AsyncClient() as http:  # polls without blocking the calls' loop
+            for n in range(10):
+                if (gens := await wave(n, http)) is not None:
+                    return gens
+        pytest.fail("the victim replica was never seen running a call")
 
     gens = asyncio.run(load())
     assert len(gens) == 24 and all(g.completion_ids for g in gens)
