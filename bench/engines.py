@@ -9,7 +9,9 @@ rollouts at once through it (the plain openai client, two to four calls each). M
 - `<engine>_sync_s`: wall time of `load_state_dict` (publishing new weights) — vLLM and
   the transformers server; `hf_sync_s` is the server's, `hf_inproc_sync_s` the in-process one.
 - `gateway_overhead_ms`: p50 over interleaved pairs of (latency of a token-id completion
-  through the gateway) - (the same request by RemoteEngine straight to vLLM), unrecorded.
+  through the gateway) - (the same request by RemoteEngine straight to vLLM). The gateway
+  call names no rollout, so it is recorded under its session, as any plain /v1 call is.
+  `--only-overhead` measures just this, on vLLM (after two warm-up rollouts).
 - `max_logprob_diff`: largest |recorded - fp32 re-scored| log-prob over every span of every
   engine.
 
@@ -17,6 +19,7 @@ The last line printed is JSON. Needs the vLLM environment (--vllm-python, defaul
 .venv-vllm/bin/python; TRACERL_VLLM_PYTHON also works); --skip-vllm measures the others.
 
     .venv/bin/python bench/engines.py --batch 128
+    .venv/bin/python bench/engines.py --only-overhead --pairs 300
 """
 
 from __future__ import annotations
@@ -145,6 +148,9 @@ def measure(model: Path, cfg: EngineConfig, args: Any) -> dict[str, float]:
         stack = start_stack(model, Path(tmp) / "traces.db", cfg)
         print(f"{cfg.kind}: ready in {time.perf_counter() - started:.1f} s")
         try:
+            if args.only_overhead:
+                spans = [s for spans in rollouts(stack, tasks[:2], 2) for s in spans]
+                return {"overhead_ms": gateway_overhead_ms(stack, spans[0].prompt_ids, args.pairs)}
             tok_s, spans = throughput(stack, tasks, args.batch)
             numbers = {"tok_s": tok_s, "spans": len(spans)}
             numbers["max_logprob_diff"] = max_gap(reference, spans)
@@ -166,9 +172,19 @@ def main() -> None:
     default_python = os.environ.get("TRACERL_VLLM_PYTHON", ".venv-vllm/bin/python")
     parser.add_argument("--vllm-python", default=default_python)
     parser.add_argument("--skip-vllm", action="store_true")
+    parser.add_argument(
+        "--only-overhead", action="store_true", help="measure only gateway_overhead_ms (vLLM)"
+    )
     args = parser.parse_args()
     model = Path(args.model) if args.model else h64_model()
     base = EngineConfig(max_batch_size=args.batch, log_dir=tempfile.mkdtemp(prefix="logs-"))
+    vllm_cfg = base.model_copy(
+        update={"kind": "vllm", "python": args.vllm_python, "kv_cache_gib": 0.5}
+    )
+    if args.only_overhead:
+        overhead = measure(model, vllm_cfg, args)["overhead_ms"]
+        print(json.dumps({"model": model.name, "gateway_overhead_ms": overhead}))
+        return
     inproc = measure(model, base, args)
     server = measure(model, base.model_copy(update={"kind": "hf_server"}), args)
     out: dict[str, Any] = {
@@ -181,8 +197,7 @@ def main() -> None:
     }
     gaps = [inproc["max_logprob_diff"], server["max_logprob_diff"]]
     if not args.skip_vllm:
-        update = {"kind": "vllm", "python": args.vllm_python, "kv_cache_gib": 0.5}
-        vllm = measure(model, base.model_copy(update=update), args)
+        vllm = measure(model, vllm_cfg, args)
         out |= {
             "vllm_tok_s": vllm["tok_s"],
             "vllm_sync_s": vllm["sync_s"],

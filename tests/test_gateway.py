@@ -14,6 +14,7 @@ from transformers import AutoTokenizer
 
 from tracerl.examples import example_module
 from tracerl.gateway import Gateway, ServedModel, create_app
+from tracerl.gateway.prompting import INLINE_IDS
 from tracerl.server import BackgroundServer, serve_in_thread
 from tracerl.store.sqlite import SqliteStore
 from tracerl.types import Task
@@ -175,6 +176,24 @@ def test_models_and_completions(served) -> None:  # type: ignore[no-untyped-def]
     assert [m.id for m in client.models.list()] == ["policy"]
     reply = client.completions.create(model="policy", prompt="<|user|>hi<|end|>", max_tokens=40)
     assert reply.choices[0].text
+
+
+def test_token_id_prompts_are_checked_inline_and_on_the_tokenizer_thread(served) -> None:  # type: ignore[no-untyped-def]
+    server, store, engine = served
+    rollout_id = running_rollout(store)
+    url = f"{server.url}/rollouts/{rollout_id}/v1/completions"
+    ids = engine.tokenizer("<|user|>hi<|end|>")["input_ids"]
+    ok = httpx.post(url, json={"model": "policy", "prompt": ids, "max_tokens": 4})
+    assert ok.status_code == 200, ok.text
+    assert engine.prompts[-1] == ids and store.spans(rollout_id)[-1].prompt_ids == ids
+    vocab = len(engine.tokenizer)
+    short = [*ids, vocab]  # checked on the event loop
+    long = [*ids * (INLINE_IDS // len(ids) + 1), -1]  # past INLINE_IDS: the tokenizer thread
+    for prompt in (short, long, []):
+        bad = httpx.post(url, json={"model": "policy", "prompt": prompt, "max_tokens": 4})
+        assert bad.status_code == 400, bad.text
+        assert bad.json()["error"]["param"] == "prompt"
+    assert len(store.spans(rollout_id)) == 1
 
 
 @pytest.mark.parametrize(

@@ -144,13 +144,14 @@ def test_session_key_order() -> None:
 
 def test_idle_sessions_finish_succeeded_and_renewals_extend_the_lease() -> None:
     store = SqliteStore(":memory:")
-    sessions = Sessions(store, ThreadPoolExecutor(1), idle_s=60, lease_s=120)
+    sessions = Sessions(store, ThreadPoolExecutor(1), idle_s=60, lease_s=120, renew_s=0.0)
 
     async def scenario() -> tuple[str, str, list[str]]:
         a = await sessions.rollout_id("a")
-        before = store.get_rollout(a).lease_expires_at
+        before = store.get_rollout(a).lease_expires_at or 0
+        await asyncio.sleep(0.01)
         assert await sessions.rollout_id("a") == a
-        assert (store.get_rollout(a).lease_expires_at or 0) >= (before or 0)
+        assert (store.get_rollout(a).lease_expires_at or 0) > before
         b = await sessions.rollout_id("b")
         assert await sessions.sweep() == []  # nothing idle yet
         swept = await sessions.sweep(now=time.monotonic() + 1e6)
@@ -160,6 +161,27 @@ def test_idle_sessions_finish_succeeded_and_renewals_extend_the_lease() -> None:
     assert sorted(swept) == sorted([a, b])
     finished = store.get_rollout(a)
     assert finished.status is RolloutStatus.succeeded and finished.reward is None
+    store.close()
+
+
+def test_renewals_are_spaced_and_a_session_ended_elsewhere_is_reopened() -> None:
+    store = SqliteStore(":memory:")
+    sessions = Sessions(store, ThreadPoolExecutor(1), idle_s=60, lease_s=120, renew_s=0.2)
+
+    async def scenario() -> tuple[str, float, float, str, str]:
+        a = (await sessions.rollout("a")).id
+        leased = store.get_rollout(a).lease_expires_at or 0
+        await asyncio.sleep(0.01)
+        again = await sessions.rollout("a")  # within renew_s: no store call
+        unrenewed = store.get_rollout(a).lease_expires_at or 0
+        store.finish(a, 1, RolloutStatus.succeeded)  # ended outside this gateway
+        await asyncio.sleep(0.25)
+        b = await sessions.rollout("a")  # the renewal finds it ended: a new session
+        return a, leased, unrenewed, again.id, b.id
+
+    a, leased, unrenewed, again, b = asyncio.run(scenario())
+    assert again == a and unrenewed == leased
+    assert b != a and store.get_rollout(b).status is RolloutStatus.running
     store.close()
 
 

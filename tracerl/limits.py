@@ -133,7 +133,9 @@ class LimitsMiddleware:
         if declared is not None and declared > limit:
             raise _Refused(413, f"request body of {declared} bytes is over {limit}", "too_large")
         try:
-            return await asyncio.wait_for(_read(receive, limit), self.limits.body_timeout_s)
+            # A timeout scope, not wait_for: no task per request.
+            async with asyncio.timeout(self.limits.body_timeout_s):
+                return await _read(receive, limit)
         except TimeoutError:
             raise _Refused(
                 408,

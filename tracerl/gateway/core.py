@@ -8,8 +8,9 @@ is parsed into OpenAI message parts.
 
 Threads. Everything here runs on the gateway's event loop (the HTTP server's thread), and
 nothing here may block it: rendering chat templates and tokenizing run on the gateway's
-one tokenizer thread (one, so a tokenizer is never used by two threads at once), store
-calls on its store threads (record.py), and sampling is awaited on the engine. `close`
+one tokenizer thread (one, so a tokenizer is never used by two threads at once; a short
+token-id prompt is only range-checked, inline: prompting.INLINE_IDS), store calls on its
+store threads (record.py), and sampling is awaited on the engine. `close`
 stops both executors; the HTTP server must be stopped first (LocalStack.close does).
 """
 
@@ -32,7 +33,12 @@ from tracerl.gateway.chat import (
     canonical_reply,
 )
 from tracerl.gateway.errors import GatewayError, invalid
-from tracerl.gateway.prompting import chat_prompt, completion_ids, request_messages
+from tracerl.gateway.prompting import (
+    chat_prompt,
+    completion_ids,
+    inline_ids,
+    request_messages,
+)
 from tracerl.gateway.record import Call, SpanRecorder
 from tracerl.gateway.remote import RemoteError, RemoteModel
 from tracerl.gateway.served import Choice, HistoryKey, Pending, Served, ServedModel, decode
@@ -147,18 +153,20 @@ class Gateway:
         return served
 
     async def chat(
-        self, req: ChatRequest, rollout_id: str | None, parent: str | None = None
+        self, req: ChatRequest, target: str | Rollout | None, parent: str | None = None
     ) -> Served:
-        """Serve a chat completion request; `parent` is the X-Tracerl-Parent header."""
-        return await self.run(await self.open_chat(req, rollout_id, parent))
+        """Serve a chat completion request under `target` (a rollout id, the session rollout
+        the call was attributed to, or None: not recorded; wire.rollout_of); `parent` is
+        the X-Tracerl-Parent header."""
+        return await self.run(await self.open_chat(req, target, parent))
 
     async def open_chat(
-        self, req: ChatRequest, rollout_id: str | None, parent: str | None = None
+        self, req: ChatRequest, target: str | Rollout | None, parent: str | None = None
     ) -> Pending:
         """Check a chat request and build its prompt; every refusal happens here."""
         role = self.role(req.model)
         served = self.model(role)
-        rollout = await self.recorder.rollout(rollout_id)
+        rollout = await self.recorder.rollout(target)
         parent_id = await self.recorder.parent(rollout, parent)
         # A sub-agent of the same role as its parent (a planner calling a planner) has its
         # own conversation: keying by parent keeps the parent's token history intact.
@@ -209,13 +217,13 @@ class Gateway:
         )
 
     async def chat_remote(
-        self, req: ChatRequest, rollout_id: str | None, parent: str | None = None
+        self, req: ChatRequest, target: str | Rollout | None, parent: str | None = None
     ) -> dict[str, Any]:
         """Forward a chat request for a remote role; record each choice as a text-only span
         (no token ids, policy version -1) and return the reply under the gateway's id."""
         role = self.role(req.model)
         remote = self.remote[role]
-        rollout = await self.recorder.rollout(rollout_id)
+        rollout = await self.recorder.rollout(target)
         parent_id = await self.recorder.parent(rollout, parent)
         messages = request_messages(req)
         started = time.perf_counter()
@@ -232,19 +240,22 @@ class Gateway:
         return {**body, "id": f"chatcmpl-{span_id}", "model": req.model}
 
     async def complete(
-        self, req: CompletionRequest, rollout_id: str | None, parent: str | None = None
+        self, req: CompletionRequest, target: str | Rollout | None, parent: str | None = None
     ) -> Served:
         """Serve a raw text completion request; `parent` is the X-Tracerl-Parent header."""
-        return await self.run(await self.open_complete(req, rollout_id, parent))
+        return await self.run(await self.open_complete(req, target, parent))
 
     async def open_complete(
-        self, req: CompletionRequest, rollout_id: str | None, parent: str | None = None
+        self, req: CompletionRequest, target: str | Rollout | None, parent: str | None = None
     ) -> Pending:
         """Check a raw completion request and tokenize its prompt."""
         served = self.model(self.role(req.model))
-        rollout = await self.recorder.rollout(rollout_id)
+        rollout = await self.recorder.rollout(target)
         parent_id = await self.recorder.parent(rollout, parent)
-        ids = await self._tokenize(completion_ids, served, req.prompt)
+        if inline_ids(req.prompt):  # a short id list: checked here, no thread hop
+            ids = completion_ids(served, req.prompt)
+        else:
+            ids = await self._tokenize(completion_ids, served, req.prompt)
         params = self._params(served, len(ids), req.max_tokens, req)
         return Pending(
             served, req.model, rollout, parent_id, None, [], None, Prompt(ids=ids), params,

@@ -1,5 +1,6 @@
 """A request's prompt: canonical messages and tools, and its token ids. These run on the
-gateway's tokenizer thread, never on its event loop."""
+gateway's tokenizer thread, never on its event loop, except the range check of a short
+token-id prompt (`INLINE_IDS`), which costs less than the hop to that thread."""
 
 from __future__ import annotations
 
@@ -8,7 +9,19 @@ from tracerl.gateway.errors import GatewayError
 from tracerl.gateway.served import ServedModel
 from tracerl.gateway.tito import History, Prompt
 
-__all__ = ["chat_prompt", "completion_ids", "request_messages", "tool_dicts"]
+__all__ = [
+    "INLINE_IDS",
+    "chat_prompt",
+    "completion_ids",
+    "inline_ids",
+    "request_messages",
+    "tool_dicts",
+]
+
+INLINE_IDS = 2_048
+"""Token-id prompts up to this long are checked on the event loop: the range check takes
+tens of microseconds there, less than a round trip to the tokenizer thread, and a longer
+one would hold the loop (and every other call) for longer than that round trip."""
 
 
 def chat_prompt(
@@ -31,12 +44,18 @@ def completion_ids(served: ServedModel, prompt: str | list[int]) -> list[int]:
         ids = served.prompts.encode(prompt, special=True)
     else:
         ids = list(prompt)
-        vocab = len(served.tokenizer)
-        if any(not 0 <= t < vocab for t in ids):
-            raise GatewayError(400, f"prompt token ids must be in [0, {vocab})", param="prompt")
+        if ids and not (min(ids) >= 0 and max(ids) < served.vocab_size):
+            message = f"prompt token ids must be in [0, {served.vocab_size})"
+            raise GatewayError(400, message, param="prompt")
     if not ids:
         raise GatewayError(400, "prompt is empty", param="prompt")
     return ids
+
+
+def inline_ids(prompt: str | list[int]) -> bool:
+    """Whether `completion_ids` of `prompt` may run on the event loop: token ids, at most
+    INLINE_IDS of them (text needs the tokenizer, which runs on its own thread)."""
+    return isinstance(prompt, list) and len(prompt) <= INLINE_IDS
 
 
 def request_messages(req: ChatRequest) -> list[Message]:

@@ -85,8 +85,13 @@ class SpanRecorder:
         loop = asyncio.get_running_loop()
         return await loop.run_in_executor(self._executor, functools.partial(fn, *args))
 
-    async def rollout(self, rollout_id: str | None) -> Rollout | None:
-        """The running rollout a call belongs to; 404 unknown, 409 when not running."""
+    async def rollout(self, target: str | Rollout | None) -> Rollout | None:
+        """The running rollout a call belongs to: `target` itself when the caller holds it
+        already (a session's, running at its last renewal), else looked up by id; 404
+        unknown, 409 when not running."""
+        if isinstance(target, Rollout):
+            return target
+        rollout_id = target
         if rollout_id is None or self.store is None:
             return None
         try:

@@ -42,6 +42,8 @@ class ServedModel:
     thinking: tuple[str, str] | None = None
     """Its reasoning markers (start, end); None: `<think>`/`</think>` when the chat template
     knows them, else no reasoning is split off."""
+    vocab_size: int = field(init=False)
+    """Token ids below this are the tokenizer's (added tokens included)."""
     prompts: PromptBuilder = field(init=False)
     """Renders and tokenizes this model's prompts (used on the gateway's tokenizer thread)."""
     tool_format: ToolFormat = field(init=False)
@@ -51,6 +53,7 @@ class ServedModel:
     _special: re.Pattern[str] | None = field(init=False, default=None)
 
     def __post_init__(self) -> None:
+        self.vocab_size = len(self.tokenizer)
         self.prompts = PromptBuilder(self.tokenizer)
         template = self.tokenizer.chat_template
         self.tool_format = tool_format(self.tool_parser, template)

@@ -10,9 +10,10 @@ store opens already running (`Store.open_session`, max_attempts 1). The key is, 
 3. the body's `metadata.session_id`, else `metadata.user_id` (Anthropic Messages clients);
 4. a hash of the API key the call presents (so one client process is one session).
 
-Every call renews the session's lease. A session idle for `idle_s` is finished as succeeded
-(no reward: nobody judged it) by a sweep on the gateway's loop; a gateway that dies leaves
-its sessions' leases to expire into timed_out (never re-queued: max_attempts is 1).
+A call renews the session's lease, unless one renewed it less than `RENEW_S` ago. A
+session idle for `idle_s` is finished as succeeded (no reward: nobody judged it) by a sweep
+on the gateway's loop; a gateway that dies leaves its sessions' leases to expire into
+timed_out (never re-queued: max_attempts is 1).
 
 With `record = "rollouts"` the gateway opens no sessions: an unattributed call gets a 400
 naming X-Tracerl-Rollout.
@@ -39,7 +40,7 @@ from tracerl.auth import key_of
 from tracerl.gateway.errors import GatewayError
 from tracerl.gateway.wire import ROLLOUT_HEADER
 from tracerl.store import InvalidTransition, LeaseLost, NotFound, Store
-from tracerl.types import RolloutStatus
+from tracerl.types import Rollout, RolloutStatus
 
 __all__ = ["CLIENT_SESSION_HEADERS", "SESSION_HEADER", "Sessions", "attribute", "session_key"]
 
@@ -58,6 +59,12 @@ CLIENT_SESSION_HEADERS = (
 """Session headers clients send of their own accord, tried in this order."""
 MODEL_CALLS = re.compile(r"/v1/(chat/completions|completions|responses|messages)")
 """The plain routes whose calls are recorded (count_tokens and GETs record nothing)."""
+
+RENEW_S = 1.0
+"""A session's lease is renewed by its first call after this many seconds, not by every
+call: a renewal is a store write (a hop to a store thread), and a stream of calls would pay
+it each time. A session finished elsewhere meanwhile is noticed by the next renewal; a call
+in flight then fails its span write (409), as one did before when it ended mid-sampling."""
 
 Record = Literal["all", "rollouts"]
 
@@ -83,17 +90,24 @@ def session_key(headers: Mapping[str, str], body: Any, api_key: str | None) -> s
 class _Open:
     """A session this gateway holds open."""
 
-    rollout_id: str
-    """Its rollout (attempt 1, the only one)."""
+    rollout: Rollout
+    """Its rollout (attempt 1, the only one), as its last renewal found it: running."""
     last_used: float
     """When its last call arrived (monotonic seconds)."""
+    renewed: float
+    """When its lease was last renewed (monotonic seconds)."""
 
 
 class Sessions:
-    """Session key -> running rollout, renewed per call and finished when idle."""
+    """Session key -> running rollout, renewed by its calls and finished when idle."""
 
     def __init__(
-        self, store: Store, executor: Executor, idle_s: float = 300.0, lease_s: float = 900.0
+        self,
+        store: Store,
+        executor: Executor,
+        idle_s: float = 300.0,
+        lease_s: float = 900.0,
+        renew_s: float = RENEW_S,
     ) -> None:
         if lease_s <= idle_s:
             raise ValueError("a session's lease must outlast its idle time")
@@ -101,7 +115,9 @@ class Sessions:
         self.idle_s = idle_s
         """Seconds without a call after which a session is finished."""
         self.lease_s = lease_s
-        """Lease each call renews; it runs out only when the gateway is gone."""
+        """Lease a renewal sets; it runs out only when the gateway is gone."""
+        self.renew_s = renew_s
+        """A call renews the lease when the last renewal is this many seconds old."""
         self._executor = executor
         self._open: dict[str, _Open] = {}
         self._lock = asyncio.Lock()
@@ -111,25 +127,34 @@ class Sessions:
         loop = asyncio.get_running_loop()
         return await loop.run_in_executor(self._executor, functools.partial(fn, *args))
 
-    async def rollout_id(self, key: str) -> str:
-        """The running rollout of session `key`, opened on its first call; its lease renewed."""
+    async def rollout(self, key: str) -> Rollout:
+        """The running rollout of session `key`, opened on its first call; its lease renewed
+        (at most every renew_s). The renewal reads the rollout as it writes, so the call
+        needs no other lookup."""
         self._start_sweeper()
         async with self._lock:  # two first calls of one key open one session
             entry = self._open.get(key)
-            if entry is not None and not await self._renew(entry):
+            due = entry is not None and time.monotonic() - entry.renewed >= self.renew_s
+            if entry is not None and due and not await self._renew(entry):
                 entry = None
             if entry is None:
                 rollout = await self._io(self.store.open_session, key, self.lease_s)
-                entry = self._open[key] = _Open(rollout.id, time.monotonic())
+                now = time.monotonic()
+                entry = self._open[key] = _Open(rollout, now, now)
             entry.last_used = time.monotonic()
-            return entry.rollout_id
+            return entry.rollout
+
+    async def rollout_id(self, key: str) -> str:
+        """The id of `rollout(key)`."""
+        return (await self.rollout(key)).id
 
     async def _renew(self, entry: _Open) -> bool:
         """Extend the lease; False when the session ended meanwhile (finished elsewhere)."""
         try:
-            await self._io(self.store.heartbeat, entry.rollout_id, 1, self.lease_s)
+            entry.rollout = await self._io(self.store.heartbeat, entry.rollout.id, 1, self.lease_s)
         except (LeaseLost, NotFound):
             return False
+        entry.renewed = time.monotonic()
         return True
 
     async def sweep(self, now: float | None = None) -> list[str]:
@@ -137,7 +162,7 @@ class Sessions:
         now = time.monotonic() if now is None else now
         async with self._lock:
             idle = [k for k, e in self._open.items() if now - e.last_used >= self.idle_s]
-            done = [self._open.pop(k).rollout_id for k in idle]
+            done = [self._open.pop(k).rollout.id for k in idle]
         for rollout_id in done:
             await self._io(self._finish, rollout_id)
         return done
@@ -164,13 +189,13 @@ class Sessions:
         if self._sweeper is not None and not self._sweeper.done():
             self._sweeper.get_loop().call_soon_threadsafe(self._sweeper.cancel)
         for entry in self._open.values():
-            self._finish(entry.rollout_id)
+            self._finish(entry.rollout.id)
         self._open.clear()
 
 
 def attribute(store: Store | None, sessions: Sessions | None) -> Callable:
     """An app dependency: a plain /v1 model call without X-Tracerl-Rollout is given its
-    session's rollout (request.state.rollout_id), or, without sessions, a refusal
+    session's running rollout (request.state.rollout), or, without sessions, a refusal
     (request.state.refusal) that the route raises in its own API's error shape."""
 
     async def attribute_call(request: Request) -> None:
@@ -192,6 +217,6 @@ def attribute(store: Store | None, sessions: Sessions | None) -> Callable:
         except orjson.JSONDecodeError:
             body = None  # the route answers that with its own 400
         key = session_key(request.headers, body, key_of(request))
-        request.state.rollout_id = await sessions.rollout_id(key)
+        request.state.rollout = await sessions.rollout(key)
 
     return attribute_call

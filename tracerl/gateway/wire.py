@@ -11,6 +11,7 @@ from fastapi.responses import Response
 
 from tracerl.gateway.errors import GatewayError
 from tracerl.store.wire import errors_doc
+from tracerl.types import Rollout
 
 __all__ = [
     "MODEL_CALL_DOC",
@@ -51,15 +52,17 @@ async def read_json(request: Request) -> Any:
         raise GatewayError(400, f"request body is not valid JSON: {e}") from None
 
 
-def rollout_of(request: Request, path_id: str | None) -> str | None:
-    """The rollout a call is attributed to: its URL path's, else the header's, else its
-    session's (gateway/sessions.py, which may instead have refused the call)."""
+def rollout_of(request: Request, path_id: str | None) -> str | Rollout | None:
+    """The rollout a call is attributed to: its URL path's or the header's id (looked up
+    by the gateway), else its session's rollout, running at its last renewal
+    (gateway/sessions.py, which may instead have refused the call)."""
     if path_id or request.headers.get(ROLLOUT_HEADER):
         return path_id or request.headers.get(ROLLOUT_HEADER)
     refusal = getattr(request.state, "refusal", None)
     if refusal is not None:
         raise refusal
-    return getattr(request.state, "rollout_id", None)
+    rollout: Rollout | None = getattr(request.state, "rollout", None)
+    return rollout
 
 
 def parent_of(request: Request) -> str | None:
