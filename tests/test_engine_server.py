@@ -11,6 +11,7 @@ must cost no call, be restarted, and serve the current weights when it is back.
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import signal
 import time
@@ -85,6 +86,52 @@ def test_an_unavailable_engine_is_a_retryable_503(tiny_model_dir: Path) -> None:
 
 
 # -- the transformers engine as a server -------------------------------------------------
+
+
+def test_a_grammar_travels_to_the_server_and_rescoring_reproduces_it(
+    tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    """RemoteEngine sends a ConstrainedParams grammar as vLLM's `structured_outputs`; the
+    transformers server samples under it and reports the masked log-probs."""
+    from tracerl.engines.constrained import ConstrainedParams
+    from tracerl.engines.hf import HFEngine
+    from tracerl.engines.hf_server import create_app as server_app
+    from tracerl.engines.remote import RemoteEngine
+    from tracerl.engines.scoring import Constraint
+
+    schema = {
+        "type": "object",
+        "properties": {"n": {"enum": [1, 22, 333]}},
+        "required": ["n"],
+        "additionalProperties": False,
+        "x-guidance": {"whitespace_flexible": False},
+    }
+    grammar = "start: %json " + json.dumps(schema)
+    local = HFEngine(tiny_model_dir)
+    server = serve_in_thread(server_app(local))
+    remote = RemoteEngine(
+        [server.url], tokenizer=local.tokenizer, max_context=local.max_context,
+        eos_token_ids=local.eos_token_ids, weights_dir=tmp_path,
+    )  # fmt: skip
+    prompt = local.tokenizer.encode("1+1=")
+    try:
+        params = ConstrainedParams(max_tokens=24, temperature=1.0, seed=0, grammar=grammar)
+        g = asyncio.run(remote.generate(prompt, params))
+        bad = ConstrainedParams(max_tokens=4, grammar="start: %json {")
+        with pytest.raises(ValueError, match="invalid grammar"):
+            asyncio.run(remote.generate(prompt, bad))
+    finally:
+        remote.close()
+        server.stop()
+        local.close()
+    text = local.tokenizer.decode(g.completion_ids, skip_special_tokens=True)
+    assert g.finish_reason == "stop" and text in {'{"n":1}', '{"n":22}', '{"n":333}'}
+    constraint = Constraint(grammar=grammar, eos_token_ids=remote.grammar_eos_token_ids)
+    rescored = score_completion(
+        local.model, prompt, g.completion_ids, 1.0, constraint, local.tokenizer
+    )
+    assert rescored == pytest.approx(g.logprobs, abs=1e-5)
+    assert g.logprobs[0] == pytest.approx(0.0, abs=1e-6)  # '{' is forced
 
 
 def _cfg(tmp: Path, replicas: int) -> EngineConfig:

@@ -2,10 +2,10 @@
 
 One server, started once for the module, serves a warm-started calculator model: its
 log-probs must be the trainer's fp32 re-scoring of the same tokens (through the whole gateway
-spine, multi-turn), weight sync must switch it exactly and report the new version, and its
-completions must end as HFEngine's do (end token, stop string, max_tokens). vLLM's CPU
-attention supports head sizes 32, 64, 80, ... only, so the model here has 3 heads of 64
-where the demo's has 4 of 48.
+spine, multi-turn, and under an enforced output format), weight sync must switch it exactly
+and report the new version, and its completions must end as HFEngine's do (end token, stop
+string, max_tokens). vLLM's CPU attention supports head sizes 32, 64, 80, ... only, so the
+model here has 3 heads of 64 where the demo's has 4 of 48.
 
 Skipped when the vLLM environment is absent: set TRACERL_VLLM_PYTHON to its python, or build
 .venv-vllm with `make vllm`.
@@ -14,24 +14,34 @@ Skipped when the vLLM environment is absent: set TRACERL_VLLM_PYTHON to its pyth
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import re
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Any
 
 import httpx
+import jsonschema
 import pytest
 import torch
 from transformers import AutoModelForCausalLM, PreTrainedModel
 
 from tracerl.engines.config import EngineConfig
 from tracerl.engines.launch import group_has_others
-from tracerl.engines.scoring import score_completion
+from tracerl.engines.scoring import constraint_of, score_completion
 from tracerl.engines.vllm import VLLMEngine
 from tracerl.examples import example_module
+from tracerl.gateway import Gateway, ServedModel
+from tracerl.gateway.chat import ChatRequest
+from tracerl.gateway.served import Served
+from tracerl.store.sqlite import SqliteStore
 from tracerl.types import Generation, SamplingParams, Task
+
+from .scripted import running_rollout
+from .test_constrained import MESSAGES, SCHEMA, TOOLS
 
 ROOT = Path(__file__).resolve().parents[1]
 VLLM_PYTHON = Path(os.environ.get("TRACERL_VLLM_PYTHON", ROOT / ".venv-vllm" / "bin" / "python"))
@@ -259,6 +269,62 @@ def test_calculator_rollouts_are_token_faithful(
     assert breaks == 0
     assert worst <= 1e-4
     assert all(s.policy_version == 0 for spans in spans_by_rollout for s in spans)
+
+
+def _ask(gateway: Gateway, rid: str | None, n: int, **fields: Any) -> list[Served]:
+    """n chat calls at once (seeds 0..n-1), under rollout rid."""
+    reqs = [
+        ChatRequest.model_validate({"model": "policy", "messages": MESSAGES, "seed": i, **fields})
+        for i in range(n)
+    ]
+
+    async def all_calls() -> list[Served]:
+        return list(await asyncio.gather(*(gateway.chat(r, rid) for r in reqs)))
+
+    return asyncio.run(all_calls())
+
+
+def test_structured_outputs_are_enforced_and_rescore(
+    engine: VLLMEngine, reference: PreTrainedModel
+) -> None:
+    """response_format json_schema and tool_choice "required" through the gateway, enforced
+    by vLLM's structured outputs with the gateway's grammar: every reply is a valid object
+    (a call), and the recorded log-probs are those of the grammar-masked distribution, which
+    re-scoring under the span's grammar reproduces."""
+    store = SqliteStore(":memory:")
+    gateway = Gateway(store, {"policy": ServedModel("policy", engine, engine.tokenizer)})
+    try:
+        rid = running_rollout(store)
+        fmt = {"type": "json_schema", "json_schema": {"name": "r", "schema": SCHEMA}}
+        served = _ask(gateway, rid, 20, response_format=fmt, max_tokens=48)
+        calls = _ask(gateway, None, 10, tools=TOOLS, tool_choice="required")
+        spans = store.spans(rid)
+    finally:
+        gateway.close()
+        store.close()
+    for s in served:
+        jsonschema.validate(json.loads(s.choices[0].reply.content), SCHEMA)
+    assert len(spans) == 20
+    worst, lift = 0.0, 0.0
+    for span in spans:
+        constraint = constraint_of(span)
+        assert constraint is not None
+        assert constraint.eos_token_ids == engine.grammar_eos_token_ids
+        tokenizer = engine.tokenizer
+        masked = score_completion(
+            reference, span.prompt_ids, span.completion_ids, 1.0, constraint, tokenizer
+        )
+        free = score_completion(reference, span.prompt_ids, span.completion_ids, 1.0)
+        worst = max([worst, *(abs(a - b) for a, b in zip(masked, span.logprobs, strict=True))])
+        lift = max([lift, *(m - f for m, f in zip(masked, free, strict=True))])
+    print(f"20 json_schema replies: max |logprob gap| under the grammar {worst:.2e}")
+    assert worst <= 1e-4
+    assert lift > 0.5, "the grammar's mask should change the log-probs"
+    for s in calls:
+        c = s.choices[0]
+        assert c.finish_reason == "tool_calls" and c.reply.tool_calls
+        assert all(call["name"] in {"add", "mul"} for call in c.reply.tool_calls)
+        assert all(set(call["arguments"]) == {"a", "b"} for call in c.reply.tool_calls)
 
 
 def test_weight_sync_is_exact_and_versioned(engine: VLLMEngine, reference: PreTrainedModel) -> None:

@@ -4,7 +4,8 @@ that RemoteEngine uses, so it is served, routed, restarted and synced exactly li
 `python -m tracerl.engines.hf_server --model DIR --port P` serves one HFEngine on
 127.0.0.1:P (or `--host`, a cluster node's address):
 
-- `POST /v1/completions`: a token-id prompt; answers vLLM's fields (`choices[0].token_ids`,
+- `POST /v1/completions`: a token-id prompt (and vLLM's `structured_outputs.grammar`, the
+  grammar of a constrained completion); answers vLLM's fields (`choices[0].token_ids`,
   `logprobs.token_logprobs`, `finish_reason`, `stop_reason`). The log-probs are HFEngine's,
   so re-scoring holds as in process. A client that disconnects cancels its request.
 - `GET /health`: the weight version label, requests running and admitted so far.
@@ -31,6 +32,7 @@ import orjson
 from fastapi import FastAPI, Request, Response
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from tracerl.engines.constrained import ConstrainedParams
 from tracerl.engines.launch import LaunchedEngine
 from tracerl.types import Generation, SamplingParams
 
@@ -41,6 +43,15 @@ __all__ = ["HFServerEngine", "create_app", "main"]
 
 _DISCONNECT_POLL_S = 0.1
 """How often a running request checks whether its client went away."""
+
+
+class StructuredOutputs(BaseModel):
+    """vLLM's `structured_outputs`, of which this server reads the grammar only."""
+
+    model_config = ConfigDict(extra="ignore", use_attribute_docstrings=True)
+
+    grammar: str = Field(min_length=1)
+    """An llguidance grammar the completion must match (HFEngine masks with it)."""
 
 
 class CompletionBody(BaseModel):
@@ -65,6 +76,8 @@ class CompletionBody(BaseModel):
     """Seed of this request's sampler."""
     stop: list[str] = Field(default_factory=list)
     """Stop strings."""
+    structured_outputs: StructuredOutputs | None = None
+    """The grammar of a constrained completion."""
 
 
 class RpcBody(BaseModel):
@@ -124,6 +137,9 @@ def create_app(engine: HFEngine) -> FastAPI:
             max_tokens=body.max_tokens, temperature=body.temperature, top_p=body.top_p,
             stop=body.stop, seed=body.seed,
         )  # fmt: skip
+        if body.structured_outputs is not None:
+            grammar = body.structured_outputs.grammar
+            params = ConstrainedParams(**params.model_dump(), grammar=grammar)
         await gate.enter()
         try:
             gen = await _unless_disconnected(request, engine.generate(body.prompt, params))

@@ -14,6 +14,13 @@ is retried once on another (with the same seed), or fails with EngineUnavailable
 recovery thread brings the replica back (a subclass restarts its server) and reloads the
 current weights before it takes calls again.
 
+Constrained decoding: a ConstrainedParams grammar (llguidance Lark, built by the gateway) is
+sent as vLLM's `structured_outputs.grammar`; vLLM's guidance backend and tracerl's
+transformers server both mask the logits with it before sampling, and the log-probs they
+report are taken after the mask (vLLM applies the grammar bitmask to the logits before its
+sampler computes processed log-probs), so a constrained span's log-probs are those of the
+masked distribution and `engines.scoring` reproduces them from the span's grammar.
+
 `load_state_dict` is the weight-sync seam: the tensors are written as safetensors into
 `weights_dir/v<version>/`, then each replica in service in turn drains, reloads them,
 forgets its prefix cache, and resumes. A replica stops admitting requests while it switches
@@ -39,6 +46,7 @@ import httpx
 from transformers import PreTrainedTokenizerBase
 
 from tracerl.engines.base import EngineUnavailable
+from tracerl.engines.constrained import check_grammar
 from tracerl.engines.replicas import Replica, ReplicaSet
 from tracerl.types import Generation, SamplingParams
 
@@ -59,6 +67,9 @@ _RETRY_S = (1.0, 30.0)
 
 class RemoteEngine:
     """Serves a policy from OpenAI-compatible servers at `urls` (see the module docstring)."""
+
+    constrains_decoding = True
+    """It sends a ConstrainedParams grammar to the servers, which sample under its mask."""
 
     def __init__(
         self,
@@ -82,6 +93,9 @@ class RemoteEngine:
         self.weights_dir = Path(weights_dir)
         self.tie_word_embeddings = tie_word_embeddings
         self.timeout_s = timeout_s
+        self.grammar_eos_token_ids = list(eos_token_ids)
+        """What a complete grammar lets the servers sample: the end tokens (a subclass whose
+        servers allow fewer says which)."""
         self._eos = frozenset(self.eos_token_ids)
         # Stop strings are decoded with a private copy: a fast tokenizer used from two
         # threads at once can fail with "Already borrowed".
@@ -154,10 +168,11 @@ class RemoteEngine:
             raise ValueError("temperature must be >= 0")
         if not 0 < params.top_p <= 1:
             raise ValueError("top_p must be in (0, 1]")
+        check_grammar(params)
 
     def _body(self, prompt_ids: list[int], params: SamplingParams) -> dict[str, Any]:
         seed = params.seed if params.seed is not None else self._rng.randrange(2**62)
-        return {
+        body: dict[str, Any] = {
             "model": SERVED_NAME,
             "prompt": list(prompt_ids),
             "max_tokens": min(params.max_tokens, self.max_context - len(prompt_ids)),
@@ -172,6 +187,10 @@ class RemoteEngine:
             "skip_special_tokens": False,
             "include_stop_str_in_output": True,
         }
+        grammar = getattr(params, "grammar", None)
+        if grammar:
+            body["structured_outputs"] = {"grammar": grammar}
+        return body
 
     def _generation(self, data: dict[str, Any], params: SamplingParams, version: int) -> Generation:
         """The server's answer with HFEngine's end rules applied to its tokens."""

@@ -48,6 +48,8 @@ def server_args(
         "--generation-config", "vllm",
         "--seed", str(cfg.seed),
         "--worker-extension-cls", WORKER_EXTENSION,
+        # Grammars are llguidance's Lark, as the transformers engine enforces them.
+        "--structured-outputs-config", '{"backend": "guidance"}',
     ]  # fmt: skip
 
 
@@ -81,6 +83,10 @@ class VLLMEngine(LaunchedEngine):
     ) -> None:
         self.python = _resolve_python(cfg.python) if not cfg.urls else cfg.python
         super().__init__(model_dir, cfg, policy_version, place)
+        # vLLM's guidance backend builds its grammar tokenizer with the tokenizer's one end
+        # token: all a complete grammar lets it sample (re-scoring must mask the same way).
+        if self.tokenizer.eos_token_id is not None:
+            self.grammar_eos_token_ids = [int(self.tokenizer.eos_token_id)]
 
     def command(self, host: str, port: str) -> list[str]:
         """`python -m vllm.entrypoints.openai.api_server` with tracerl's arguments (the

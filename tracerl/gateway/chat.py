@@ -145,7 +145,7 @@ class ChatRequest(BaseModel):
         Literal["none", "auto", "required"] | NamedToolChoice | dict[str, JsonValue] | None
     ) = Field(default=None, union_mode="left_to_right")
     """"required" or a named function forces a tool call (enforced by engines that
-    constrain decoding, the transformers one); "none", "auto" and choices of other types
+    constrain decoding: the transformers and vLLM ones); "none", "auto" and choices of other types
     (allowed_tools, custom) constrain nothing."""
     parallel_tool_calls: bool | None = None
     """False: a forced tool call is exactly one call (default: one or more)."""

@@ -203,7 +203,9 @@ class Gateway:
             if p.key is not None:
                 self._remember(p.key, p.messages, p.tools, p.prompt, choices)
             role = p.served.name
-            eos = p.served.engine.eos_token_ids
+            # What the engine's grammar allowed once complete, for re-scoring.
+            engine = p.served.engine
+            eos = getattr(engine, "grammar_eos_token_ids", engine.eos_token_ids)
             call = Call(span_id, role, p.parent_id, p.messages, p.prompt, p.params, latency, eos)
             await self.recorder.record(p.rollout, call, choices)
         return Served(

@@ -2,9 +2,10 @@
 
 `tool_choice: "required"` (or a named function) becomes the served model's tool-call format
 with the tools' argument schemas: one or more calls, nothing else. `response_format`
-json_object / json_schema becomes a JSON grammar. The grammar travels to the engine in
-`ConstrainedParams`; engines that cannot constrain decoding sample as usual, and the gateway
-still parses what comes back.
+json_object / json_schema becomes a JSON grammar. Both are llguidance Lark text, the form
+every engine takes (vLLM's as `structured_outputs.grammar`). The grammar travels to the
+engine in `ConstrainedParams`; engines that cannot constrain decoding sample as usual, and
+the gateway still parses what comes back.
 """
 
 from __future__ import annotations
@@ -90,7 +91,10 @@ def _json_grammar(req: ChatRequest) -> str | None:
         schema = fmt.json_schema.schema_ or schema
     # Defaults, so a schema's own "x-guidance" options still win.
     compact: Any = COMPACT_JSON
-    return LLMatcher.grammar_from_json_schema(json.dumps(schema), defaults=compact)
+    built = json.loads(LLMatcher.grammar_from_json_schema(json.dumps(schema), defaults=compact))
+    # As Lark, like the tool grammars: the one form every engine takes (vLLM's
+    # `structured_outputs.grammar` reads Lark, not llguidance's JSON form).
+    return "start: %json " + json.dumps(built["grammars"][0]["json_schema"])
 
 
 def literal_for(tokenizer: PreTrainedTokenizerBase) -> Any:
