@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import sqlite3
 import subprocess
 import sys
@@ -35,6 +36,9 @@ from tracerl.examples import example_module
 ROOT = Path(__file__).resolve().parents[1]
 _calc = example_module("calculator", "agent")
 REPLY = '<tool_call>{"name": "calculator", "arguments": {"expression": "37+48"}}</tool_call>'
+TRACEMALLOC_ENV = "TRACERL_SOAK_TRACEMALLOC"
+"""Set to a path prefix: the serving process traces its Python heap and writes its growth
+after warm-up, at the middle and at the end to <prefix>.<n>.txt (slows it several times)."""
 _client = httpx.Client(timeout=60)  # one per runner process, shared by its agent threads
 
 
@@ -69,7 +73,32 @@ def serve(model: str, store_path: str, port: int, memory: int) -> None:
     engine = StubEngine(ids, eos_token_ids=[tok.eos_token_id], max_context=1024)
     served = {"policy": ServedModel("policy", engine, tok)}
     gateway = Gateway(SqliteStore(store_path), served, memory=memory)
+    if os.environ.get(TRACEMALLOC_ENV):
+        _trace_heap(os.environ[TRACEMALLOC_ENV])
     uvicorn.run(create_app(gateway), host="127.0.0.1", port=port, log_level="error")
+
+
+def _trace_heap(prefix: str) -> None:
+    """Opt-in diagnostic: trace the Python heap; each SIGUSR1 writes `<prefix>.<n>.txt`, the
+    heap's growth since the first SIGUSR1 (top 25 tracebacks) beside the process's RSS."""
+    import tracemalloc
+
+    import psutil
+
+    tracemalloc.start(8)
+    snaps: list[tracemalloc.Snapshot] = []
+
+    def dump(*_: object) -> None:
+        snap = tracemalloc.take_snapshot()
+        snaps.append(snap)
+        rss = psutil.Process().memory_info().rss / 2**20
+        lines = [f"rss_mb {rss:.1f} traced_mb {tracemalloc.get_traced_memory()[0] / 2**20:.1f}"]
+        for stat in snap.compare_to(snaps[0], "traceback")[:25]:
+            lines += [f"{stat.size_diff / 2**20:+.2f} MB {stat.count_diff:+d} blocks"]
+            lines += [f"    {line}" for line in stat.traceback.format(limit=8)]
+        Path(f"{prefix}.{len(snaps) - 1}.txt").write_text("\n".join(lines) + "\n")
+
+    signal.signal(signal.SIGUSR1, dump)
 
 
 def build_model(path: Path) -> None:
@@ -106,6 +135,15 @@ def start_server(model: Path, store: Path, port: int, memory: int) -> subprocess
         except httpx.TransportError:
             time.sleep(0.1)
     raise RuntimeError("the serving process did not start")
+
+
+def heap_snapshot(proc: subprocess.Popen[bytes], prefix: str, n: int) -> None:
+    """Ask the serving process for heap snapshot n and wait until it is written."""
+    proc.send_signal(signal.SIGUSR1)
+    for _ in range(1200):
+        if Path(f"{prefix}.{n}.txt").exists():
+            return
+        time.sleep(0.1)
 
 
 def start_runner(port: int, concurrency: int) -> subprocess.Popen[bytes]:
@@ -188,6 +226,7 @@ def soak(args: argparse.Namespace, tmp: Path) -> dict:
             procs[f"runner{i}"] = start_runner(args.port, args.concurrency)
         db = sqlite3.connect(store)
         samples, t0 = [sample(db, store, procs)], time.time()
+        marks = [args.warmup, (args.warmup + args.rollouts) // 2, args.rollouts]
         while samples[-1]["done"] < args.rollouts:
             time.sleep(1.0)
             now = sample(db, store, procs)
@@ -196,6 +235,10 @@ def soak(args: argparse.Namespace, tmp: Path) -> dict:
                 or now["done"] >= args.rollouts
             ):
                 samples.append(now)
+                while marks and now["done"] >= marks[0]:
+                    marks.pop(0)
+                    if os.environ.get(TRACEMALLOC_ENV):
+                        heap_snapshot(procs["serve"], os.environ[TRACEMALLOC_ENV], 2 - len(marks))
                 print(
                     f"{now['done']:>6} rollouts {now['t'] - t0:6.0f}s rss {now['rss']}", flush=True
                 )

@@ -304,6 +304,32 @@ def test_bounded_memory_recovers_call_numbers_from_the_store(tiny_model_dir: Pat
         store.close()
 
 
+def test_finished_rollouts_leave_nothing_remembered(tiny_model_dir: Path) -> None:
+    """A long-running gateway's memory follows the rollouts in flight, not those served."""
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    store = SqliteStore(":memory:")
+    gateway = Gateway(
+        store, {"policy": ServedModel("policy", ScriptedEngine(tokenizer), tokenizer)}
+    )
+    server = serve_in_thread(create_app(gateway))
+    try:
+        store.add_tasks([Task(id="t", input={"question": "?"})])
+        store.enqueue(["t"] * 5)
+        for rollout in store.claim("r", 5, 60.0):
+            client = _client(server.url, rollout.id)
+            for _ in range(2):
+                client.chat.completions.create(model="policy", messages=MESSAGES, tools=TOOLS)
+            assert gateway._histories and gateway.recorder._calls
+            body = {"attempt": rollout.attempt, "status": "succeeded", "reward": 1.0}
+            url = f"{server.url}/store/rollouts/{rollout.id}/finish"
+            assert httpx.post(url, json=body).status_code == 200
+        assert len(store.spans(rollout.id)) == 2
+        assert not gateway._histories and not gateway.recorder._calls
+    finally:
+        server.stop()
+        store.close()
+
+
 def test_stop_sequences_with_a_real_engine(tiny_model_dir: Path) -> None:
     from tracerl.engines.hf import HFEngine
 

@@ -196,7 +196,7 @@ def create_app(
     )
     app.add_api_route("/health", health, methods=["GET"])
     if with_store_api and gateway.store is not None:
-        store_api = store_router(gateway.store, gateway.store_executor, keys)
+        store_api = store_router(gateway.store, gateway.store_executor, keys, gateway.finished)
         app.include_router(store_api, prefix="/store")
     return app
 

@@ -106,10 +106,13 @@ class Gateway:
             else None
         )
         """Where unattributed calls are recorded; None: they are refused (record="rollouts")."""
-        # Per-rollout token histories, bounded: the oldest go first. A forgotten history
-        # only costs a re-tokenization (recorded as a prefix break).
-        self._histories: OrderedDict[HistoryKey, History] = OrderedDict()
+        # Token histories per rollout attempt, dropped when the attempt finishes here and
+        # bounded for those finished elsewhere (another gateway's store API, an expired
+        # lease): the least recently used go first. A forgotten history only costs a
+        # re-tokenization (recorded as a prefix break).
+        self._histories: OrderedDict[tuple[str, int], dict[HistoryKey, History]] = OrderedDict()
         self.memory = memory
+        """Rollout attempts whose token histories and call memory are kept."""
 
     @property
     def names(self) -> list[str]:
@@ -171,7 +174,7 @@ class Gateway:
         # A sub-agent of the same role as its parent (a planner calling a planner) has its
         # own conversation: keying by parent keeps the parent's token history intact.
         key = (rollout.id, rollout.attempt, role, parent_id) if rollout else None
-        prev = self._histories.get(key) if key else None
+        prev = self._histories.get(key[:2], {}).get(key) if key else None
         messages, tools, prompt = await self._tokenize(chat_prompt, served, req, prev)
         params = self._params(served, len(prompt.ids), req.token_limit(), req)
         params = await self._tokenize(constrained, served, req, tools, params)
@@ -358,10 +361,16 @@ class Gateway:
             )
             for c in choices
         ]
-        self._histories[key] = History(messages=messages, tools=tools, turns=turns)
-        self._histories.move_to_end(key)
+        attempt = self._histories.setdefault(key[:2], {})
+        attempt[key] = History(messages=messages, tools=tools, turns=turns)
+        self._histories.move_to_end(key[:2])
         while len(self._histories) > self.memory:
             self._histories.popitem(last=False)
+
+    def finished(self, rollout: Rollout) -> None:
+        """Drop what the gateway remembers of a finished attempt: no call of it follows."""
+        self._histories.pop((rollout.id, rollout.attempt), None)
+        self.recorder.forget(rollout.id, rollout.attempt)
 
 
 def _route(rollout: Rollout | None, role: str) -> str | None:

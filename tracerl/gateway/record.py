@@ -175,6 +175,10 @@ class SpanRecorder:
             calls.next_seq += len(batch)
             calls.span_ids.update(s.id for s in batch)
 
+    def forget(self, rollout_id: str, attempt: int) -> None:
+        """Drop a finished attempt's call memory."""
+        self._calls.pop((rollout_id, attempt), None)
+
     async def _stored(self, rollout: Rollout) -> list[Span]:
         assert self.store is not None
         return await self._io(self.store.spans, rollout.id, rollout.attempt)

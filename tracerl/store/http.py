@@ -99,13 +99,17 @@ async def _parse(request: Request, adapter: TypeAdapter[T]) -> T:
 
 
 def store_router(
-    store: Store, executor: Executor | None = None, keys: Keys | None = None
+    store: Store,
+    executor: Executor | None = None,
+    keys: Keys | None = None,
+    on_finish: Callable[[Rollout], None] | None = None,
 ) -> APIRouter:
     """The store API; mount it with prefix '/store' (create_store_app does).
 
     Store calls run on `executor` (None: the event loop's default executor). `keys` mints
     each claimed attempt's agent key (a random secret when None); who may call what is
-    the app's guard (tracerl.auth), not the router's."""
+    the app's guard (tracerl.auth), not the router's. `on_finish` is told of each attempt
+    finished through the API, on the event loop (the gateway drops what it remembers)."""
     # Every store route may answer 422 in the store's error shape (FastAPI's default entry
     # describes its own shape, which this API never sends).
     r = APIRouter(responses=errors_doc(422))
@@ -196,7 +200,10 @@ def store_router(
     async def finish(rollout_id: str, request: Request) -> Response:
         b = await _parse(request, FINISH)
         args = (rollout_id, b.attempt, b.status, b.answer, b.reward, b.error)
-        return _one(await call(store.finish, *args))
+        rollout = await call(store.finish, *args)
+        if on_finish is not None:
+            on_finish(rollout)
+        return _one(rollout)
 
     @r.post(
         "/spans",
