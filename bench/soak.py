@@ -190,10 +190,15 @@ def p99_per_k(lat: list[float], k: int = 1000) -> list[float]:
 
 
 def growth(samples: list[dict], warm: int) -> dict[str, float]:
-    """Each process's RSS at the end minus its RSS after `warm` rollouts (MB)."""
+    """Each process's last live RSS minus its RSS after `warm` rollouts (MB). A runner
+    that exits once the queue is empty reads 0 (or NaN) after it; its last live sample
+    counts."""
     base = next((s for s in samples if s["done"] >= warm), samples[0])
-    last = samples[-1]
-    return {name: round(last["rss"][name] - base["rss"][name], 1) for name in last["rss"]}
+    out = {}
+    for name, start in base["rss"].items():
+        live = [s["rss"][name] for s in samples if s["rss"][name] > 0]  # NaN > 0 is False
+        out[name] = round(live[-1] - start, 1) if live else float("nan")
+    return out
 
 
 def plot(samples: list[dict], p99: list[float], out: Path) -> None:
