@@ -23,15 +23,25 @@ import socket
 import subprocess
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 from tracerl.examples import example_dir
 from tracerl.examples.calculator.expert import demonstrations
 from tracerl.models import TinyModelConfig, build_tiny_model, render_chat
 
-EXAMPLE = example_dir("langgraph_calculator")
-AGENT = f"{EXAMPLE / 'agent.py'}:run"
-REWARD = f"{EXAMPLE / 'reward.py'}:reward"
+TEACHER = example_dir("langgraph_calculator") / "teacher.py"
+
+
+@dataclass(frozen=True)
+class Files:
+    """What the stages read: the agent and reward of --example, the task files, the base."""
+
+    agent: str
+    reward: str
+    tasks: Path
+    record: Path
+    base: Path
 
 
 def _free_port() -> int:
@@ -55,8 +65,7 @@ def _success(run_dir: Path) -> float:
 
 def _tasks(out: Path, n_train: int, n_eval: int) -> tuple[Path, Path]:
     """(all tasks, the first n_train train tasks for the teacher to record)."""
-    sys.path.insert(0, str(EXAMPLE))
-    from tasks import write_tasks  # the example's own generator
+    from tracerl.examples.langgraph_calculator.tasks import write_tasks
 
     tasks = write_tasks(n_train, n_eval)
     everything, record = out / "tasks.jsonl", out / "record.jsonl"
@@ -96,6 +105,7 @@ class Stages:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out", default="runs/frameworks")
+    p.add_argument("--example", default="langgraph_calculator", help="the agent's example folder")
     p.add_argument("--record", type=int, default=1000, help="teacher rollouts recorded")
     p.add_argument("--tool-rate", type=float, default=0.4, help="teacher's tool-call share")
     p.add_argument(
@@ -113,9 +123,13 @@ def main() -> None:
     started = time.perf_counter()
     base = _student_base(out)
     stages.walls.setdefault("student_base", time.perf_counter() - started)
+    folder = example_dir(args.example)
+    files = Files(f"{folder / 'agent.py'}:run", f"{folder / 'reward.py'}:reward", tasks, record,
+                  base)  # fmt: skip
+    agent = files.agent
 
     if not (out / "teacher-record" / "eval.json").exists():
-        _teach(stages, args, out, base, tasks, record)
+        _teach(stages, args, out, files)
 
     student = base
     for i, steps in enumerate(int(s) for s in args.sft_steps.split(",")):
@@ -125,49 +139,48 @@ def main() -> None:
             "sft", "--from-traces", str(out / "teacher-record"), "--filter", "reward >= 1",
             "--base", str(previous), "--out", str(student), "--steps", str(steps),
         )  # fmt: skip
-    common = ("--reward", REWARD, "--tasks", str(tasks), *runs)
+    common = ("--reward", files.reward, "--tasks", str(tasks), *runs)
     stages.run(
         "student_eval", out / "student-eval" / "eval.json",
-        "eval", AGENT, "--model", str(student), "--split", "eval", "--name", "student-eval",
+        "eval", agent, "--model", str(student), "--split", "eval", "--name", "student-eval",
         *common,
     )  # fmt: skip
     stages.run(
         "rl", out / "rl" / "summary.json",
-        "train", "--model", str(student), "--agent", AGENT, "--name", "rl",
+        "train", "--model", str(student), "--agent", agent, "--name", "rl",
         "--pipeline.steps", str(args.rl_steps), "--pipeline.eval_size", str(args.eval),
         "--no-eval_before", *common,
     )  # fmt: skip
     stages.run(
         "rl_eval", out / "rl-eval" / "eval.json",
-        "eval", AGENT, "--model", str(out / "rl" / "model"), "--split", "eval",
+        "eval", agent, "--model", str(out / "rl" / "model"), "--split", "eval",
         "--name", "rl-eval", *common,
     )  # fmt: skip
     _report(out, args, stages.walls)
 
 
-def _teach(
-    stages: Stages, args: argparse.Namespace, out: Path, base: Path, tasks: Path, record: Path
-) -> None:
+def _teach(stages: Stages, args: argparse.Namespace, out: Path, files: Files) -> None:
     """The teacher's held-out success, then its recorded rollouts on train tasks."""
     port = _free_port()
     teacher = subprocess.Popen(
-        [sys.executable, str(EXAMPLE / "teacher.py"), "--port", str(port),
+        [sys.executable, str(TEACHER), "--port", str(port),
          "--tool-rate", str(args.tool_rate)],
     )  # fmt: skip
     try:
         time.sleep(4)  # uvicorn start
-        role = {"policy": {"url": f"http://127.0.0.1:{port}/v1", "tokenizer": str(base)}}
-        teach = ("--roles", json.dumps(role), "--reward", REWARD, "--runs", str(out))
+        role = {"policy": {"url": f"http://127.0.0.1:{port}/v1", "tokenizer": str(files.base)}}
+        teach = ("--roles", json.dumps(role), "--reward", files.reward, "--runs", str(out))
+        tasks, record, agent = files.tasks, files.record, files.agent
         stages.run(
             "teacher_eval", out / "teacher-eval" / "eval.json",
-            "eval", AGENT, "--tasks", str(tasks), "--split", "eval", "--name", "teacher-eval",
+            "eval", agent, "--tasks", str(tasks), "--split", "eval", "--name", "teacher-eval",
             *teach,
         )  # fmt: skip
         head = out / "record-tasks.jsonl"
         head.write_text("".join(record.read_text().splitlines(True)[: args.record]))
         stages.run(
             "record", out / "teacher-record" / "eval.json",
-            "eval", AGENT, "--tasks", str(head), "--name", "teacher-record", *teach,
+            "eval", agent, "--tasks", str(head), "--name", "teacher-record", *teach,
         )  # fmt: skip
     finally:
         teacher.terminate()

@@ -1,8 +1,9 @@
 """A remote teacher recorded as a student's token ids, then SFT from those traces.
 
-The LangGraph calculator agent runs unchanged against the gateway while a scripted teacher
+The LangGraph and the openai-agents calculator agents run unchanged against the gateway
+while a scripted teacher
 (examples/langgraph_calculator/teacher.py, an OpenAI-compatible server) answers as a remote
-role that names the student's tokenizer. Each call must be recorded in LangGraph's own
+role that names the student's tokenizer. Each call must be recorded in the framework's own
 prompt format as the student's ids, later turns extending earlier ids, and `sft
 --from-traces` must train on exactly the teacher's reply ids.
 """
@@ -29,6 +30,8 @@ from tracerl.types import Task
 pytestmark = pytest.mark.slow
 
 EXAMPLE = "langgraph_calculator"
+"""Where the teacher, the tasks and the reward live."""
+FRAMEWORKS = ["langgraph_calculator", "openai_agents_calculator"]
 
 
 @pytest.fixture(scope="module")
@@ -40,12 +43,15 @@ def teacher_url() -> Iterator[str]:
     server.stop()
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="module", params=FRAMEWORKS)
 def recorded(
-    teacher_url: str, calculator_skilled_dir: Path, tmp_path_factory: pytest.TempPathFactory
+    request: pytest.FixtureRequest,
+    teacher_url: str,
+    calculator_skilled_dir: Path,
+    tmp_path_factory: pytest.TempPathFactory,
 ) -> Path:
-    """The store of 12 LangGraph rollouts answered by the teacher, recorded as the ids of
-    the demo model's tokenizer (the student)."""
+    """The store of 12 rollouts of one framework's agent answered by the teacher, recorded
+    as the ids of the demo model's tokenizer (the student)."""
     store_path = tmp_path_factory.mktemp("distill") / "traces.db"
     remote = {"policy": RemoteModel("policy", teacher_url, "teacher", None,
                                     str(calculator_skilled_dir))}  # fmt: skip
@@ -53,7 +59,7 @@ def recorded(
     tasks = [
         Task.model_validate(t) for t in example_module(EXAMPLE, "tasks").make_tasks(12, "train", 3)
     ]
-    agent = example_module(EXAMPLE, "agent").run
+    agent = example_module(request.param, "agent").run
     try:
         with ThreadPoolExecutor(4) as threads:
             run_rollouts(stack.store, stack.url, python_agent(agent, threads),
@@ -77,7 +83,7 @@ def test_teacher_calls_are_recorded_as_student_ids(
     assert {len(c) for c in calls} == {1, 2}, "answered directly, and after one tool call"
     for spans in calls:
         first = tokenizer.decode(spans[0].prompt_ids)
-        # LangGraph's own prompt: its system prompt and its tool schema, in the template.
+        # The framework's own prompt: its system prompt and tool schema, in the template.
         assert first.startswith("<|system|>Use the calculator, then answer with the number.")
         assert "Tools: calculator(expression)" in first
         for s in spans:
@@ -110,9 +116,10 @@ def test_sft_trains_exactly_the_teacher_ids(recorded: Path, calculator_skilled_d
     assert result.steps == 2 and (tmp_path / "student" / "config.json").exists()
 
 
-def test_the_agent_file_imports_no_tracerl() -> None:
+@pytest.mark.parametrize("example", FRAMEWORKS)
+def test_the_agent_file_imports_no_tracerl(example: str) -> None:
     from tracerl.examples import example_dir
 
-    source = (example_dir(EXAMPLE) / "agent.py").read_text()
+    source = (example_dir(example) / "agent.py").read_text()
     imports = [line for line in source.splitlines() if line.startswith(("import ", "from "))]
     assert imports and not any("tracerl" in line for line in imports)
