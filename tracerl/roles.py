@@ -53,12 +53,17 @@ class RoleConfig(BaseModel):
     """With `url`: the model name that server knows; default: the role's name."""
     api_key_env: str | None = None
     """With `url`: the environment variable holding its API key (sent as a bearer token)."""
+    tokenizer: str | None = None
+    """With `url`: a local model dir whose tokenizer and chat template record this role's
+    calls as token ids too (the prompt as that template renders it, the reply's text as the
+    completion), so `tracerl sft --from-traces --base <dir>` trains a student on a remote
+    teacher's calls; unset: recorded as text only."""
 
     @model_validator(mode="after")
     def _remote_alone(self) -> RoleConfig:
         if self.url is None:
-            if self.remote_model or self.api_key_env:
-                raise ValueError("remote_model and api_key_env need a url")
+            if self.remote_model or self.api_key_env or self.tokenizer:
+                raise ValueError("remote_model, api_key_env and tokenizer need a url")
             return self
         if not self.url.startswith(("http://", "https://")):
             raise ValueError(f"url {self.url!r}: expected http(s)://host[:port]/v1")
@@ -117,11 +122,12 @@ def policy_specs(
 
 
 def remote_roles(roles: dict[str, RoleConfig]) -> dict[str, RemoteModel]:
-    """The roles served by OpenAI-compatible URLs elsewhere (frozen, recorded as text)."""
+    """The roles served by OpenAI-compatible URLs elsewhere (frozen, recorded as text, and as
+    a local tokenizer's ids when they name one)."""
     from tracerl.gateway.remote import RemoteModel
 
     return {
-        role: RemoteModel(role, rc.url, rc.remote_model or role, rc.api_key_env)
+        role: RemoteModel(role, rc.url, rc.remote_model or role, rc.api_key_env, rc.tokenizer)
         for role, rc in roles.items()
         if rc.url is not None
     }

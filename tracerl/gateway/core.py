@@ -32,12 +32,14 @@ from tracerl.gateway.chat import (
     Message,
     canonical_reply,
 )
+from tracerl.gateway.distill import StudentEncoder
 from tracerl.gateway.errors import GatewayError, invalid
 from tracerl.gateway.prompting import (
     chat_prompt,
     completion_ids,
     inline_ids,
     request_messages,
+    tool_dicts,
 )
 from tracerl.gateway.record import Call, SpanRecorder
 from tracerl.gateway.remote import RemoteError, RemoteModel
@@ -85,6 +87,10 @@ class Gateway:
         self.models = models
         self.remote = remote or {}
         """Roles answered by OpenAI-compatible URLs elsewhere (frozen, recorded as text)."""
+        self._students = {
+            name: StudentEncoder(r.tokenizer) for name, r in self.remote.items() if r.tokenizer
+        }
+        """Remote roles whose calls are also recorded as a local tokenizer's ids."""
         clash = sorted(set(models) & set(self.remote))
         if clash:
             raise ValueError(f"roles served both locally and remotely: {clash}")
@@ -225,12 +231,20 @@ class Gateway:
         self, req: ChatRequest, target: str | Rollout | None, parent: str | None = None
     ) -> dict[str, Any]:
         """Forward a chat request for a remote role; record each choice as a text-only span
-        (no token ids, policy version -1) and return the reply under the gateway's id."""
+        (no token ids, policy version -1), or as the ids of the role's local tokenizer when
+        it names one (distill.py), and return the reply under the gateway's id."""
         role = self.role(req.model)
         remote = self.remote[role]
         rollout = await self.recorder.rollout(target)
         parent_id = await self.recorder.parent(rollout, parent)
         messages = request_messages(req)
+        student = self._students.get(role) if rollout is not None else None
+        key = (rollout.id, rollout.attempt, role, parent_id) if rollout else None
+        tools = tool_dicts(req.tools)
+        prompt = Prompt([])
+        if student is not None and key is not None:
+            prev = self._histories.get(key[:2], {}).get(key)
+            prompt = await self._tokenize(student.prompts.build, messages, tools, prev)
         started = time.perf_counter()
         try:
             body = await remote.chat(req.model_dump(mode="json", exclude_unset=True))
@@ -240,8 +254,13 @@ class Gateway:
         span_id = uuid.uuid4().hex
         if rollout is not None:
             params = SamplingParams(temperature=req.temperature)
-            call = Call(span_id, role, parent_id, messages, Prompt([]), params, latency)
-            await self.recorder.record_text(rollout, call, body)
+            call = Call(span_id, role, parent_id, messages, prompt, params, latency)
+            if student is None or key is None:
+                await self.recorder.record_text(rollout, call, body)
+            else:
+                choices = await self._tokenize(student.choices, messages, tools, body)
+                self._remember(key, messages, tools, prompt, choices)
+                await self.recorder.record(rollout, call, choices)
         return {**body, "id": f"chatcmpl-{span_id}", "model": req.model}
 
     async def complete(

@@ -5,7 +5,9 @@ remote server knows and streaming off (the gateway streams the finished reply it
 the recorded span is the whole reply). The reply comes back under the gateway's own id, so
 an X-Tracerl-Parent naming a remote call nests sub-agents the same way as a local one.
 The span holds the messages and the reply but no token ids: a remote model's tokens are not
-ours to train, so the role is recorded and never trained.
+ours to train, so the role is recorded and never trained. Given a local `tokenizer`, the
+calls are recorded as that tokenizer's ids as well (gateway/distill.py): a teacher's calls
+become a student's supervised rows.
 """
 
 from __future__ import annotations
@@ -40,6 +42,9 @@ class RemoteModel:
     api_key_env: str | None = None
     """Environment variable holding the API key sent as a bearer token (keys stay out of
     config files); None sends no key."""
+    tokenizer: str | None = None
+    """A local model dir whose tokenizer and chat template also record the calls as token
+    ids (a student's, for `tracerl sft --from-traces`); None records text only."""
     timeout_s: float = 120.0
     """Seconds to wait for one reply."""
     _client: httpx.AsyncClient | None = field(default=None, init=False, repr=False)
