@@ -151,13 +151,15 @@ def test_a_run_collapsing_on_purpose_exports_the_best_checkpoint(
     assert any("success_drop" in w for w in summary.warnings)
     assert any(m.get("guard/success_drop") == 1.0 for m in metrics)
     assert summary.model is not None and summary.model.model_step < summary.model.last_step
-    assert summary.model.model_success > summary.model.last_success
+    # A rollback can bring the last weights back to the best one's score (or their weights).
+    beaten = summary.model.model_success >= summary.model.last_success
+    assert beaten if respond else summary.model.model_success > summary.model.last_success
     assert summary.success_after == summary.model.model_success
     best_dir = run / "checkpoints" / f"step-{summary.model.model_step}" / "model"
     exported, last = _weights(run / "model"), _weights(run / "model-last")
     for key, value in _weights(best_dir).items():
         assert (exported[key] == value).all(), key
-    assert any((exported[k] != last[k]).any() for k in exported)
+    assert respond or any((exported[k] != last[k]).any() for k in exported)
     if respond:
         rolled = [m for m in metrics if "guard/rollback" in m]
         assert rolled and rolled[0]["guard/lr"] == pytest.approx(2.5e-2)
