@@ -11,6 +11,14 @@ The process kinds that are separate today, each killed `--kills` times in turn:
 - serve: the `tracerl serve` process, restarted on the same SQLite file and port. Runners
   that died with it (a claim that cannot reach the store ends a runner today) are restarted
   and counted.
+- engine, engine1: an engine server process of a `tracerl train` whose policy is served by
+  `engine.kind = "hf_server"` servers (2 replicas, or 1 for engine1). Nothing here restarts
+  it: the run's own launcher notices the exit, starts a fresh server and loads the current
+  weights into it (tracerl.engines.launch). Checked as the train kind is, plus the engine
+  restarts seen (the recoveries the run logs) and the rollouts failed because a
+  call found no replica in service (a 503 `engine_unavailable` from the gateway, which the
+  agent here does not retry): with 2 replicas a call on the killed one is retried on the
+  other; with 1 a call during the restart has nowhere to go.
 
 For the serve/runner kinds: lost = rollouts not finished at the end, or finished before a
 kill and changed after it; twice = a rollout finished at a kill whose attempt or finish time
@@ -20,7 +28,7 @@ agent's failure. Every store must pass `PRAGMA integrity_check`.
 
 Prints a table per kind; the last line is JSON.
 
-    nice .venv/bin/python bench/chaos.py [--kills 7 --seed 0]
+    nice .venv/bin/python bench/chaos.py [--kills 7 --seed 0 --kinds train,engine]
 """
 
 from __future__ import annotations
@@ -67,7 +75,7 @@ class KindReport(BaseModel):
     model_config = ConfigDict(use_attribute_docstrings=True, extra="forbid")
 
     kind: str
-    """Which process was killed: train, runner or serve."""
+    """Which process was killed: train, runner, serve, engine or engine1."""
     kills: int = 0
     """SIGKILLs delivered while it ran."""
     resumed_ok: int = 0
@@ -81,7 +89,10 @@ class KindReport(BaseModel):
     runner_restarts: int = 0
     """Runners that died with the serving process and were started again."""
     error_failed: int = 0
-    """Rollouts recorded as failed because the gateway could not be reached."""
+    """Rollouts recorded as failed because the gateway (or, for the engine kinds, any engine
+    replica) could not be reached."""
+    engine_restarts: int = 0
+    """Engine replicas the run restarted and brought back with the current weights."""
 
 
 def tiny_model(out: Path) -> Path:
@@ -145,17 +156,8 @@ def wait_for(cond, timeout: float, proc: subprocess.Popen[bytes] | None = None) 
 
 def chaos_train(tmp: Path, model: Path, kills: int, rng: random.Random) -> KindReport:
     """Kill `tracerl train` `kills` times at random points, resume each time."""
-    from tracerl.pipeline.checkpoints import read_ledger
-
     rep, steps, run = KindReport(kind="train"), 2 + kills, tmp / "runs" / "chaos"
-    flags = [
-        "--name", "chaos", "--model", str(model), "--tasks", str(task_file(tmp, 4 * steps)),
-        "--agent", AGENT, "--reward", REWARD, "--pipeline.steps", str(steps),
-        "--pipeline.tasks_per_step", "4", "--pipeline.group_size", "2",
-        "--pipeline.eval_every", "0", "--no-eval_before", "--runner.lease_s", "2",
-        "--no-guard.preflight",
-    ]  # fmt: skip
-    proc = spawn(["train", *flags], tmp, tmp / "train.log")
+    proc = spawn(["train", *train_flags(tmp, model, steps)], tmp, tmp / "train.log")
     for _ in range(kills):
         # A random point once the run has a store: mid-step, mid-checkpoint, or mid-publish.
         wait_for(lambda: (run / "traces.db").exists(), 180, proc)
@@ -166,6 +168,26 @@ def chaos_train(tmp: Path, model: Path, kills: int, rng: random.Random) -> KindR
         proc = spawn(["train", "--resume", str(run)], tmp, tmp / "train.log")
     finished = proc.wait(timeout=600) == 0 and (run / "summary.json").exists()
     rep.resumed_ok = rep.kills if finished else 0
+    check_ledger(run, finished, rep)
+    return rep
+
+
+def train_flags(tmp: Path, model: Path, steps: int) -> list[str]:
+    """A small synchronous `tracerl train` run named chaos, on the calculator tasks."""
+    return [
+        "--name", "chaos", "--model", str(model), "--tasks", str(task_file(tmp, 4 * steps)),
+        "--agent", AGENT, "--reward", REWARD, "--pipeline.steps", str(steps),
+        "--pipeline.tasks_per_step", "4", "--pipeline.group_size", "2",
+        "--pipeline.eval_every", "0", "--no-eval_before", "--runner.lease_s", "2",
+        "--no-guard.preflight",
+    ]  # fmt: skip
+
+
+def check_ledger(run: Path, finished: bool, rep: KindReport) -> None:
+    """twice / lost / integrity of a train run: no rollout in its ledger twice, and every
+    finished training rollout with an outcome trained (a sync run ends with none pending)."""
+    from tracerl.pipeline.checkpoints import read_ledger
+
     trained = read_ledger(run)
     rep.twice = len(trained) - len(set(trained))
     db = sqlite3.connect(run / "traces.db")
@@ -175,7 +197,95 @@ def chaos_train(tmp: Path, model: Path, kills: int, rng: random.Random) -> KindR
     db.close()
     rep.lost = len(done - set(trained)) if finished else len(done)
     rep.integrity_ok = integrity_ok(run / "traces.db")
+
+
+# ---------------------------------------------------------------- engine servers of a run
+
+
+def chaos_engine(
+    tmp: Path, model: Path, kills: int, rng: random.Random, replicas: int
+) -> KindReport:
+    """Kill an engine server of a running `tracerl train` `kills` times; the run restarts it."""
+    kind = "engine" if replicas > 1 else "engine1"
+    rep, run, logs = KindReport(kind=kind), tmp / "runs" / "chaos", tmp / "engine-logs"
+    engine = ["--engine.kind", "hf_server", "--engine.replicas", str(replicas),
+              "--engine.log_dir", str(logs)]  # fmt: skip
+    # Steps enough to outlast the kills: each waits for the previous restart to finish.
+    args = ["train", *train_flags(tmp, model, 6 * kills + 4), *engine]
+    proc = spawn(args, tmp, tmp / "train.log")
+    try:
+        # Kills start once the run serves rollouts: a server that dies before the engine's
+        # first answer fails the run's start (a model that cannot be served), by design.
+        wait_for(lambda: _rollouts_finished(run) > 0, 300, proc)
+        for _ in range(kills):
+            if not wait_for(lambda: len(engine_servers(proc)) == replicas, 300, proc):
+                break  # the run ended (or never got its servers up)
+            time.sleep(rng.uniform(0.5, 4.0))
+            live = engine_servers(proc)
+            if not live or proc.poll() is not None:
+                break
+            victim = rng.choice(live)
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(victim, signal.SIGKILL)  # the server and all it started
+                rep.kills += 1
+            # The next kill waits until the run has brought the replica back (it logs each
+            # recovery), so every kill hits a serving server.
+            wait_for(lambda n=rep.kills: _recoveries(tmp / "train.log") >= n, 180, proc)
+        finished = proc.wait(timeout=600) == 0 and (run / "summary.json").exists()
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+        for pid in engine_servers(proc):  # servers orphaned by a run that died
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(pid, signal.SIGKILL)
+    rep.resumed_ok = rep.kills if finished else 0
+    check_ledger(run, finished, rep)
+    rep.engine_restarts = _recoveries(tmp / "train.log")
+    db = sqlite3.connect(run / "traces.db")
+    rep.error_failed = db.execute(
+        "SELECT COUNT(*) FROM rollouts WHERE status = 'failed' AND "
+        "(error LIKE '%engine_unavailable%' OR error LIKE '%replica%')"
+    ).fetchone()[0]
+    db.close()
     return rep
+
+
+def _recoveries(log: Path) -> int:
+    """Replicas the run brought back into service (RemoteEngine logs each)."""
+    return log.read_text(errors="replace").count("is back at version")
+
+
+def _rollouts_finished(run: Path) -> int:
+    if not (run / "traces.db").exists():
+        return 0
+    db = sqlite3.connect(run / "traces.db", timeout=30)
+    try:
+        return db.execute("SELECT COUNT(*) FROM rollouts WHERE finished_at IS NOT NULL").fetchone()[
+            0
+        ]
+    except sqlite3.OperationalError:  # the schema is not written yet
+        return 0
+    finally:
+        db.close()
+
+
+def engine_servers(proc: subprocess.Popen[bytes]) -> list[int]:
+    """Pids of the live hf_server processes the run `proc` started (its children)."""
+    import psutil
+
+    try:
+        children = psutil.Process(proc.pid).children()
+    except psutil.NoSuchProcess:
+        return []
+    found = []
+    for child in children:
+        with contextlib.suppress(psutil.Error):
+            if child.status() != psutil.STATUS_ZOMBIE and "tracerl.engines.hf_server" in (
+                " ".join(child.cmdline())
+            ):
+                found.append(child.pid)
+    return found
 
 
 # ---------------------------------------------------------------- serve + runner pairs
@@ -314,12 +424,13 @@ def _free_port() -> int:
 
 def table(reports: list[KindReport]) -> str:
     head = f"{'kind':<8}{'kills':>6}{'resumed':>9}{'lost':>6}{'twice':>7}{'integrity':>11}"
-    head += f"{'runner restarts':>17}{'error-failed':>14}"
+    head += f"{'runner restarts':>17}{'error-failed':>14}{'engine restarts':>17}"
     lines = [head]
     for r in reports:
         lines.append(
             f"{r.kind:<8}{r.kills:>6}{r.resumed_ok:>9}{r.lost:>6}{r.twice:>7}"
             f"{'ok' if r.integrity_ok else 'BAD':>11}{r.runner_restarts:>17}{r.error_failed:>14}"
+            f"{r.engine_restarts:>17}"
         )
     return "\n".join(lines)
 
@@ -334,6 +445,9 @@ def run(kills: int, seed: int, kinds: list[str], tmp: Path) -> dict:
         where.mkdir()
         if kind == "train":
             reports.append(chaos_train(where, model, kills, rng))
+        elif kind in ("engine", "engine1"):
+            replicas = 2 if kind == "engine" else 1
+            reports.append(chaos_engine(where, model, kills, rng, replicas))
         else:
             reports.append(chaos_service(where, model, kind, kills, rng))
         print(table(reports[-1:]).splitlines()[-1], flush=True)
@@ -352,7 +466,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--kills", type=int, default=7, help="kills of each process kind")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--kinds", default="train,runner,serve")
+    parser.add_argument("--kinds", default="train,runner,serve,engine,engine1")
     parser.add_argument("--keep", help="keep the stores and logs in this folder")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:

@@ -14,6 +14,8 @@ import asyncio
 import json
 import os
 import signal
+import sys
+import tempfile
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -27,7 +29,7 @@ from transformers import AutoModelForCausalLM, PreTrainedModel
 from tracerl.engines.base import EngineUnavailable
 from tracerl.engines.config import EngineConfig
 from tracerl.engines.hf_server import HFServerEngine
-from tracerl.engines.launch import group_has_others
+from tracerl.engines.launch import LaunchedEngine, group_has_others
 from tracerl.engines.replicas import ReplicaSet
 from tracerl.engines.scoring import score_completion
 from tracerl.examples import example_module
@@ -353,3 +355,25 @@ def test_a_single_dead_replica_is_unavailable_until_restarted(
         assert len(g.completion_ids) >= 1
     finally:
         engine.close()
+
+
+class _DiesWhileStarting(LaunchedEngine):
+    """A server engine whose server exits before it answers /health (a replica killed
+    while a run starts)."""
+
+    name = "dies"
+
+    def command(self, host: str, port: str) -> list[str]:
+        return [sys.executable, "-c", "raise SystemExit(3)"]
+
+
+def test_a_server_that_dies_while_starting_fails_the_engine_with_its_log(
+    tiny_model_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The start fails with the server's exit and log, and leaves no weights directory."""
+    temp = tmp_path / "temp"
+    temp.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(temp))
+    with pytest.raises(RuntimeError, match="exited with code 3 while starting"):
+        _DiesWhileStarting(tiny_model_dir, _cfg(tmp_path, 1))
+    assert list(temp.iterdir()) == [], "the engine's weights directory outlived its failed start"

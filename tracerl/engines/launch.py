@@ -289,7 +289,8 @@ class LaunchedEngine(RemoteEngine):
         self._lock = threading.Lock()  # guards `servers` against close during a restart
         self._stopped = threading.Event()
         self._own_weights_dir = cfg.weights_dir is None
-        weights_dir = Path(cfg.weights_dir or tempfile.mkdtemp(prefix="tracerl-weights-"))
+        # Set before the servers start: close() removes it if one fails to start.
+        self.weights_dir = Path(cfg.weights_dir or tempfile.mkdtemp(prefix="tracerl-weights-"))
         try:
             urls = list(cfg.urls) or self._start_servers()
             super().__init__(
@@ -297,7 +298,7 @@ class LaunchedEngine(RemoteEngine):
                 tokenizer=tokenizer,
                 max_context=self.max_context,
                 eos_token_ids=eos_token_ids(model_dir, tokenizer),
-                weights_dir=weights_dir,
+                weights_dir=self.weights_dir,
                 tie_word_embeddings=self.drop_tied_head
                 and bool(getattr(config, "tie_word_embeddings", False)),
                 policy_version=policy_version,
