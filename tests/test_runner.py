@@ -16,11 +16,12 @@ import pytest
 from transformers import AutoTokenizer
 
 from tracerl.agents import load_agent
+from tracerl.engines.base import EngineUnavailable
 from tracerl.gateway import Gateway, ServedModel, create_app
 from tracerl.runner import Runner, RunnerConfig
 from tracerl.server import BackgroundServer, serve_in_thread
 from tracerl.store.sqlite import SqliteStore
-from tracerl.types import RolloutStatus, Task
+from tracerl.types import ENGINE_OUTAGE, Generation, RolloutStatus, SamplingParams, Task
 
 from .scripted import ScriptedEngine
 
@@ -80,6 +81,48 @@ def test_agent_errors_and_hangs_do_not_stop_the_pool(stack) -> None:  # type: ig
     _run(store, server.url, f"{AGENT}:hang", RunnerConfig(concurrency=2, timeout_s=0.5))
     timed_out = store.rollouts(status=RolloutStatus.timed_out)
     assert len(timed_out) == 2 and all("timed out" in (r.error or "") for r in timed_out)
+
+
+class _Outage(ScriptedEngine):
+    """The scripted engine with no replica in service for its first `down` calls."""
+
+    def __init__(self, tokenizer, down: int) -> None:  # type: ignore[no-untyped-def]
+        super().__init__(tokenizer)
+        self.down = down
+
+    async def generate(self, prompt_ids: list[int], params: SamplingParams) -> Generation:
+        if self.down > 0:
+            self.down -= 1
+            raise EngineUnavailable("no engine replica is in service")
+        return await super().generate(prompt_ids, params)
+
+
+def test_an_attempt_that_met_an_engine_outage_is_run_again_not_failed(
+    tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    """The agent gives up on the 503 (no retries): finished, that would be a failure trained
+    as reward 0. The gateway marks the attempt, the runner leaves it to be re-queued, and
+    the next attempt succeeds."""
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    store = SqliteStore(tmp_path / "traces.db")
+    gateway = Gateway(store, {"policy": ServedModel("policy", _Outage(tokenizer, 3), tokenizer)})
+    server = serve_in_thread(create_app(gateway))
+    try:
+        ids = _tasks(store, 4)
+        cfg = RunnerConfig(concurrency=4, outage_backoff_s=0.2)
+        runner = _run(store, server.url, f"{AGENT}:run", cfg)
+        rollouts = [store.get_rollout(i) for i in ids]
+        assert [r.status for r in rollouts] == [RolloutStatus.succeeded] * 4
+        assert all(r.reward == 1.0 for r in rollouts)
+        rerun = [r for r in rollouts if r.attempt > 1]
+        assert rerun and runner.reruns == sum(r.attempt - 1 for r in rollouts)
+        for r in rerun:  # the first attempt carries the gateway's mark; the last one none
+            assert any(m.name == ENGINE_OUTAGE for m in store.rewards(r.id, 1))
+            assert not any(m.name == ENGINE_OUTAGE for m in store.rewards(r.id, r.attempt))
+        assert runner.finished == 4
+    finally:
+        server.stop()
+        store.close()
 
 
 def test_command_agent(stack, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]

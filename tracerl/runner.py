@@ -7,6 +7,12 @@ becomes a failed or timed-out rollout with the error stored; it never stops the 
 the runner process dies, its leases expire and the store re-queues the rollouts for
 another runner.
 
+An attempt during which the gateway found no engine replica in service (it marks the attempt
+with an ENGINE_OUTAGE reward before answering 503) is not finished, whatever the agent made
+of it: an outage is not the policy's doing, and finished as a failure it would be trained
+as reward 0. Its lease is left to expire after `outage_backoff_s`, so the store re-queues
+it as a new attempt (within max_attempts) once the engine had a moment to come back.
+
 How agent code is loaded and called (a Python callable or an external command) is
 tracerl.agents. The API key an agent gets is the attempt's own when the service has keys
 (sent as a Bearer token, it opens that attempt's model calls and reward only).
@@ -15,6 +21,7 @@ tracerl.agents. The API key an agent gets is the attempt's own when the service 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 import traceback
@@ -27,7 +34,7 @@ from tracerl import noise as tool_noise
 from tracerl.agents import AgentFn, AgentResult, RewardFn
 from tracerl.noise import NoiseConfig, NoiseSpec
 from tracerl.store import LeaseLost, Store, StoreError, StoreUnavailable
-from tracerl.types import Reward, Rollout, RolloutStatus, Task
+from tracerl.types import ENGINE_OUTAGE, Reward, Rollout, RolloutStatus, Task
 
 log = logging.getLogger(__name__)
 
@@ -50,6 +57,9 @@ class RunnerConfig(BaseModel):
     """Sleep between claims when nothing is queued."""
     noise: NoiseConfig = NoiseConfig()
     """Perturbed tool results for agents that use the hook (tracerl.noise); off by default."""
+    outage_backoff_s: float = Field(default=2.0, gt=0)
+    """An attempt that met an engine outage is re-run: its lease expires this long after
+    the agent returned, and the store re-queues it."""
 
 
 class Runner:
@@ -77,6 +87,8 @@ class Runner:
         """The `model` name handed to the agent: the role its calls are served as (the run's
         `model_name`)."""
         self.finished = 0
+        self.reruns = 0
+        """Attempts left to be re-run because they met an engine outage."""
         self.paused = False
         """While set, running rollouts go on but nothing new is claimed (another pool, e.g.
         a held-out evaluation's, has the queue to itself)."""
@@ -170,9 +182,28 @@ class Runner:
             status, error = RolloutStatus.failed, _error_text(e)
         finally:
             beat.cancel()
+        if await self._met_outage(rollout):
+            await self._rerun_later(rollout)
+            return
         if spec is not None and not await self._record_noise(rollout, spec):
             return
         await self._finish(rollout, status, answer, reward, error)
+
+    async def _met_outage(self, rollout: Rollout) -> bool:
+        """Whether the gateway marked this attempt as having met an engine outage."""
+        try:
+            marks = await asyncio.to_thread(self.store.rewards, rollout.id, rollout.attempt)
+        except StoreError:
+            return False  # the finish below meets the same store and says what is wrong
+        return any(m.name == ENGINE_OUTAGE for m in marks)
+
+    async def _rerun_later(self, rollout: Rollout) -> None:
+        """Leave the attempt unfinished; its lease runs out in outage_backoff_s."""
+        backoff = self.cfg.outage_backoff_s
+        log.info("rollout %s attempt %d met an engine outage: re-run", rollout.id, rollout.attempt)
+        with contextlib.suppress(StoreError):  # a lost lease is re-queued already
+            await asyncio.to_thread(self.store.heartbeat, rollout.id, rollout.attempt, backoff)
+        self.reruns += 1
 
     async def _noise_spec(self, rollout: Rollout) -> NoiseSpec | None:
         if not self.cfg.noise.enabled:
@@ -215,7 +246,9 @@ class Runner:
         emitted = [
             r
             for r in self.store.rewards(rollout.id, rollout.attempt)
-            if r.span_seq is None and r.role is None and r.name != tool_noise.NOISE_REWARD
+            if r.span_seq is None
+            and r.role is None
+            and r.name not in (tool_noise.NOISE_REWARD, ENGINE_OUTAGE)
         ]
         if emitted:
             return emitted[-1].value

@@ -186,6 +186,12 @@ class Reward(_Record):
     """When it was given."""
 
 
+ENGINE_OUTAGE = "engine_outage"
+"""Name of the Reward record the gateway gives an attempt one of whose model calls found no
+engine replica in service (a 503 `engine_unavailable`). What the agent made of the outage
+says nothing of the policy, so the runner re-runs such an attempt instead of finishing it."""
+
+
 class FinishedRollout(_Record):
     """A finished rollout as the training side sees it, read from the store once: the
     record, and the spans and rewards of its last attempt (none for a rollout without an

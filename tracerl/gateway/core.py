@@ -200,10 +200,16 @@ class Gateway:
         (one choice only), each batch of sampled ids is handed to it as it arrives."""
         started = time.perf_counter()
         route = _route(p.rollout, p.served.name)
-        if on_tokens is not None and p.n == 1:
-            gens = [await collect_stream(p.served.engine, p.prompt.ids, p.params, on_tokens, route)]
-        else:
-            gens = await self._sample(p.served, p.prompt.ids, p.params, p.n, route)
+        try:
+            if on_tokens is not None and p.n == 1:
+                engine = p.served.engine
+                gens = [await collect_stream(engine, p.prompt.ids, p.params, on_tokens, route)]
+            else:
+                gens = await self._sample(p.served, p.prompt.ids, p.params, p.n, route)
+        except EngineUnavailable as e:  # a replica died: the agent may retry shortly
+            if p.rollout is not None:
+                await self.recorder.outage(p.rollout)  # before the 503: the runner reads it
+            raise GatewayError(503, str(e), "server_error", code="engine_unavailable") from None
         latency = time.perf_counter() - started
         chat = p.kind == "chatcmpl"
         choices = [self._choice(p.served, i, g, p.tools, chat) for i, g in enumerate(gens)]
@@ -346,13 +352,10 @@ class Gateway:
             params if params.seed is None else params.model_copy(update={"seed": params.seed + i})
             for i in range(n)
         ]
-        try:
-            if n == 1:
-                return [await generate_routed(served.engine, ids, params, route)]
-            calls = (generate_routed(served.engine, ids, p, route) for p in seeded)
-            return list(await asyncio.gather(*calls))
-        except EngineUnavailable as e:  # a replica died: the agent may retry shortly
-            raise GatewayError(503, str(e), "server_error", code="engine_unavailable") from None
+        if n == 1:
+            return [await generate_routed(served.engine, ids, params, route)]
+        calls = (generate_routed(served.engine, ids, p, route) for p in seeded)
+        return list(await asyncio.gather(*calls))
 
     def _choice(
         self, served: ServedModel, index: int, gen: Generation, tools: list[dict] | None, chat: bool

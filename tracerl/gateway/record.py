@@ -16,6 +16,7 @@ stored as the sub-agent's spans' `parent_span_id`.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import time
 from collections import OrderedDict
@@ -28,8 +29,15 @@ from tracerl.gateway.chat import Message, wire_message
 from tracerl.gateway.errors import GatewayError
 from tracerl.gateway.served import Choice
 from tracerl.gateway.tito import Prompt
-from tracerl.store import LeaseLost, NotFound, Store
-from tracerl.types import Reward, Rollout, RolloutStatus, SamplingParams, Span
+from tracerl.store import LeaseLost, NotFound, Store, StoreError
+from tracerl.types import (
+    ENGINE_OUTAGE,
+    Reward,
+    Rollout,
+    RolloutStatus,
+    SamplingParams,
+    Span,
+)
 
 __all__ = ["Call", "SpanRecorder"]
 
@@ -140,6 +148,15 @@ class SpanRecorder:
             return [_span(rollout, call, c, seq + c.index) for c in choices]
 
         await self._write(rollout, spans)
+
+    async def outage(self, rollout: Rollout) -> None:
+        """Mark `rollout`'s attempt as having met an engine outage (types.ENGINE_OUTAGE);
+        an attempt already ended elsewhere keeps no mark."""
+        mark = Reward(rollout_id=rollout.id, attempt=rollout.attempt, value=1.0,
+                      name=ENGINE_OUTAGE)  # fmt: skip
+        if self.store is not None:
+            with contextlib.suppress(StoreError):
+                await self._io(self.store.add_reward, mark)
 
     async def record_text(self, rollout: Rollout, call: Call, body: dict[str, Any]) -> None:
         """One text-only span per choice of a remote role's reply (no ids, version -1)."""
