@@ -121,10 +121,9 @@ def main() -> None:
     print(f"\nheld-out success ({args.held_out} tasks; noisy eval p={args.eval_p})")
     print(f"{'trained':>10} | {'clean tools':>11} | {'noisy tools':>11}")
     for name in ("before", "clean", "noisy"):
-        row = "before" if name == "before" else name
-        on_clean = success["before_clean" if row == "before" else f"{row}_on_clean"]
-        on_noisy = success["before_noisy" if row == "before" else f"{row}_on_noisy"]
-        print(f"{row:>10} | {on_clean:>11.3f} | {on_noisy:>11.3f}")
+        key = "before_{}" if name == "before" else f"{name}_on_{{}}"
+        on_clean, on_noisy = success[key.format("clean")], success[key.format("noisy")]
+        print(f"{name:>10} | {on_clean:>11.3f} | {on_noisy:>11.3f}")
     print(
         json.dumps(
             success | {"steps": args.steps, "wall_s": {k: round(v, 1) for k, v in wall.items()}}
