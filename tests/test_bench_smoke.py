@@ -88,3 +88,17 @@ def test_gpu_bench_serves_and_trains_on_the_cpu_path(
     trained = gpu.train_on(str(calculator_model_dir), "cpu", 1, 8, tmp_path)
     assert trained["span_versions"] == [0, 1]
     assert trained["step_s"] > 0 and trained["train_tok_per_s"] > 0
+
+
+def test_noise_bench_eval_sees_the_tool_noise(calculator_skilled_dir: Path, tmp_path: Path) -> None:
+    # bench/noise.py evaluates each model as `tracerl eval` does, with and without noise:
+    # a model that calls the calculator on nearly every task loses held-out success when
+    # every tool call is perturbed, and keeps it when none is.
+    noise = _bench("noise")
+    from tracerl.demo import write_calculator_tasks
+
+    tasks = write_calculator_tasks(tmp_path / "tasks.jsonl", 1, 32)
+    clean = noise.evaluate_one("clean", calculator_skilled_dir, tasks, tmp_path, 0.0, 0.0)
+    noisy = noise.evaluate_one("noisy", calculator_skilled_dir, tasks, tmp_path, 1.0, 0.0)
+    assert clean >= 0.7
+    assert noisy <= clean - 0.3
