@@ -6,7 +6,10 @@ API). Both runs start from the demo's weak model, train on the same task stream 
 same budget of rollouts (steps x tasks_per_step x group_size) and the same optimizer, and
 evaluate held-out success every `eval_every` steps. A synchronous step waits for its slowest
 rollout; the asynchronous pipeline keeps every runner slot busy while the trainer trains
-and takes complete groups through the windowed FIFO, within max_staleness.
+and takes complete groups through the windowed FIFO, within max_staleness. Generation runs
+in an engine server process of its own (`--engine-kind hf_server`, the default), as a user
+moving it off the trainer's process and GIL would run it; `--engine-kind hf` keeps it in the
+trainer's process.
 
 Measures (last line, one JSON object)
 - speedup: training wall time to reach `target` held-out success, sync / async. Held-out
@@ -68,7 +71,7 @@ def run_mode(mode: str, args: argparse.Namespace, root: Path) -> dict:
         pipeline=pipeline,
         trainer=TrainerConfig(lr=args.lr, minibatches=2, warmup_steps=5),
         runner=RunnerConfig(concurrency=args.concurrency),
-        engine=EngineConfig(max_batch_size=64),
+        engine=EngineConfig(kind=args.engine_kind, max_batch_size=64),
     )
     with ThreadPoolExecutor(args.concurrency) as threads:
         summary = train(
@@ -108,6 +111,12 @@ def main() -> None:
     # anything; at 1e-4 it takes ~15, and the clock measures the pipelines, not the noise.
     p.add_argument("--lr", type=float, default=1e-4)
     p.add_argument("--latency", default="0.3,1.0", help="tool latency: median_s,sigma")
+    p.add_argument(
+        "--engine-kind",
+        choices=["hf", "hf_server"],
+        default="hf_server",
+        help="hf: generation in the trainer's process; hf_server: in a server process of its own",
+    )
     args = p.parse_args()
     os.environ["CALCULATOR_TOOL_LATENCY"] = args.latency
     with tempfile.TemporaryDirectory() as tmp:
@@ -130,6 +139,7 @@ def main() -> None:
         "staleness_mean_async": round(asyn["staleness"], 2),
         "target": args.target,
         "tool_latency": args.latency,
+        "engine_kind": args.engine_kind,
     }
     print(json.dumps(report))
 

@@ -11,6 +11,9 @@ rollouts at once through it (the plain openai client, two to four calls each). M
 - `gateway_overhead_ms`: p50 over interleaved pairs of (latency of a token-id completion
   through the gateway) - (the same request by RemoteEngine straight to vLLM). The gateway
   call names no rollout, so it is recorded under its session, as any plain /v1 call is.
+- `forwarder_overhead_ms`: the same, interleaved with it, for a bare forwarder on the same
+  HTTP stack (parse JSON, await the same engine client, answer JSON): the cost of any Python
+  gateway's extra HTTP hop, which the gateway's own checking and recording add to.
   `--only-overhead` measures just this, on vLLM (after two warm-up rollouts).
 - `max_logprob_diff`: largest |recorded - fp32 re-scored| log-prob over every span of every
   engine.
@@ -41,15 +44,18 @@ ensure_passive_omp()
 
 import httpx  # noqa: E402
 import torch  # noqa: E402
+from fastapi import FastAPI, Request  # noqa: E402
 from transformers import AutoModelForCausalLM, PreTrainedModel  # noqa: E402
 
 from tracerl.agents import python_agent  # noqa: E402
 from tracerl.demo import cache_dir, calculator_demos  # noqa: E402
+from tracerl.engines.base import Engine  # noqa: E402
 from tracerl.engines.config import EngineConfig  # noqa: E402
 from tracerl.engines.scoring import score_completion  # noqa: E402
 from tracerl.evaluate import run_rollouts  # noqa: E402
 from tracerl.examples import example_module  # noqa: E402
 from tracerl.runner import RunnerConfig  # noqa: E402
+from tracerl.server import serving  # noqa: E402
 from tracerl.stack import LocalStack, start_stack  # noqa: E402
 from tracerl.types import SamplingParams, Span, Task  # noqa: E402
 
@@ -108,25 +114,44 @@ def sync_s(stack: LocalStack, reference: PreTrainedModel, reps: int = 3) -> floa
     return statistics.median(times)
 
 
-def gateway_overhead_ms(stack: LocalStack, prompt: list[int], pairs: int) -> float:
-    """p50 of (through the gateway) - (straight to the engine) for one greedy request."""
+def forwarder(engine: Engine) -> FastAPI:
+    """The least any Python HTTP gateway does: parse the JSON body, await the same engine
+    client, answer JSON, on the same server (uvicorn, FastAPI) — nothing checked or recorded.
+    Its overhead is the floor the gateway's own is read against."""
+    app = FastAPI()
+
+    @app.post("/v1/completions")
+    async def complete(request: Request) -> dict[str, Any]:
+        body = await request.json()
+        params = SamplingParams(max_tokens=body["max_tokens"], temperature=body["temperature"])
+        gen = await engine.generate(body["prompt"], params)
+        return {"choices": [{"index": 0, "token_ids": gen.completion_ids}]}
+
+    return app
+
+
+def gateway_overhead_ms(stack: LocalStack, prompt: list[int], pairs: int) -> dict[str, float]:
+    """p50 of (through the gateway) - (straight to the engine) for one greedy request, and the
+    same for a bare forwarder (`forwarder`), interleaved: {"gateway": ms, "forwarder": ms}."""
     engine = stack.engine
     params = SamplingParams(max_tokens=4, temperature=0.0)
     body = {"model": "policy", "prompt": prompt, "max_tokens": 4, "temperature": 0.0}
     loop = asyncio.new_event_loop()  # one loop, so the engine keeps one connection pool
-    diffs = []
-    with httpx.Client(timeout=60) as client:
+    diffs: dict[str, list[float]] = {"gateway": [], "forwarder": []}
+    with serving(forwarder(engine)) as bare, httpx.Client(timeout=60) as client:
+        urls = {"gateway": stack.url, "forwarder": bare}
         for i in range(pairs + 10):
-            t0 = time.perf_counter()
-            loop.run_until_complete(engine.generate(prompt, params))
-            t1 = time.perf_counter()
-            response = client.post(f"{stack.url}/v1/completions", json=body)
-            t2 = time.perf_counter()
-            assert response.status_code == 200, response.text
-            if i >= 10:  # the first calls warm connections up
-                diffs.append((t2 - t1) - (t1 - t0))
+            for name, url in urls.items():
+                t0 = time.perf_counter()
+                loop.run_until_complete(engine.generate(prompt, params))
+                t1 = time.perf_counter()
+                response = client.post(f"{url}/v1/completions", json=body)
+                t2 = time.perf_counter()
+                assert response.status_code == 200, response.text
+                if i >= 10:  # the first calls warm connections up
+                    diffs[name].append((t2 - t1) - (t1 - t0))
     loop.close()
-    return 1000 * statistics.median(diffs)
+    return {name: 1000 * statistics.median(d) for name, d in diffs.items()}
 
 
 def max_gap(reference: PreTrainedModel, spans: list[Span]) -> float:
@@ -150,14 +175,17 @@ def measure(model: Path, cfg: EngineConfig, args: Any) -> dict[str, float]:
         try:
             if args.only_overhead:
                 spans = [s for spans in rollouts(stack, tasks[:2], 2) for s in spans]
-                return {"overhead_ms": gateway_overhead_ms(stack, spans[0].prompt_ids, args.pairs)}
+                overhead = gateway_overhead_ms(stack, spans[0].prompt_ids, args.pairs)
+                return {"overhead_ms": overhead["gateway"], "floor_ms": overhead["forwarder"]}
             tok_s, spans = throughput(stack, tasks, args.batch)
             numbers = {"tok_s": tok_s, "spans": len(spans)}
             numbers["max_logprob_diff"] = max_gap(reference, spans)
             numbers["sync_s"] = sync_s(stack, reference)
             if cfg.kind == "vllm":
                 prompt = spans[0].prompt_ids
-                numbers["overhead_ms"] = gateway_overhead_ms(stack, prompt, args.pairs)
+                overhead = gateway_overhead_ms(stack, prompt, args.pairs)
+                numbers["overhead_ms"] = overhead["gateway"]
+                numbers["floor_ms"] = overhead["forwarder"]
         finally:
             stack.close()
     print(f"{cfg.kind}: " + ", ".join(f"{k}={v:.4g}" for k, v in numbers.items()))
@@ -182,8 +210,12 @@ def main() -> None:
         update={"kind": "vllm", "python": args.vllm_python, "kv_cache_gib": 0.5}
     )
     if args.only_overhead:
-        overhead = measure(model, vllm_cfg, args)["overhead_ms"]
-        print(json.dumps({"model": model.name, "gateway_overhead_ms": overhead}))
+        vllm = measure(model, vllm_cfg, args)
+        overheads = {
+            "gateway_overhead_ms": vllm["overhead_ms"],
+            "forwarder_overhead_ms": vllm["floor_ms"],
+        }
+        print(json.dumps({"model": model.name, **overheads}))
         return
     inproc = measure(model, base, args)
     server = measure(model, base.model_copy(update={"kind": "hf_server"}), args)
@@ -202,6 +234,7 @@ def main() -> None:
             "vllm_tok_s": vllm["tok_s"],
             "vllm_sync_s": vllm["sync_s"],
             "gateway_overhead_ms": vllm["overhead_ms"],
+            "forwarder_overhead_ms": vllm["floor_ms"],
         }
         gaps.append(vllm["max_logprob_diff"])
     out["max_logprob_diff"] = max(gaps)

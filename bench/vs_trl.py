@@ -15,18 +15,27 @@ optimizer step per batch, per-sequence token mean then mean over sequences (TRL
 loss_type="grpo" = tracerl normalize="token" + aggregation="token"), group-std scaled
 advantages, bf16 autocast for training and fp32 sampling, the same torch thread count.
 
-- tracerl: store + HF engine + gateway (start_stack), a runner calling an agent that makes
-  ONE chat completion through the gateway with the openai client, Pipeline in sync mode.
-  A step is timed around Pipeline.run_step (generate, credit, train, publish weights).
+- tracerl: store + engine + gateway (start_stack), a runner calling an agent that makes
+  ONE chat completion through the gateway with the openai client. It runs twice:
+  - sync: the Pipeline in sync mode, for `step_time_ratio`;
+  - async: as a user runs it, the async pipeline (`max_staleness` steps of lag allowed), for
+    `time_to_target_ratio`.
+  Generation runs in an engine server process of its own (`--engine-kind hf_server`, the
+  default: `tracerl train --engine.kind hf_server`), off the trainer's process and GIL;
+  `--engine-kind hf` keeps it in the trainer's process. A step is timed around
+  Pipeline.run_step (generate or collect, credit, train, publish weights).
 - TRL: GRPOTrainer on CPU (use_vllm False, gradient checkpointing off, no saving, no
   reporting), prompts pre-rendered with the model's chat template and tools; its reward
   parses the completion ids exactly as the gateway parses a reply. A step is timed
   between consecutive on_step_end callbacks.
 
 The first step of each is warm-up and is left out of the times; step time is the median
-of the rest (robust to other work on a shared machine). Prints per-step tables, then one
-JSON line: step_time_ratio (TRL / tracerl), reward_tracerl, reward_trl (mean of the last
-`--final-window` steps of each curve), tracerl_step_s, trl_step_s, steps, and more. CPU
+of the rest (robust to other work on a shared machine). Time to target is the training
+clock (the sum of step times, warm-up included, model loading excluded on both sides) at the
+end of the first step whose mean reward reaches `--target-reward`. Prints per-step tables,
+then one JSON line: step_time_ratio (TRL / tracerl sync), time_to_target_ratio (TRL /
+tracerl async), reward_tracerl, reward_trl (mean of the last `--final-window` steps of each
+curve), tracerl_step_s, trl_step_s, steps, and more. CPU
 seconds per step (all threads) are reported beside wall time: on a shared machine they
 move less with other people's work.
 
@@ -63,6 +72,7 @@ from tracerl.algorithms.curation import Curation  # noqa: E402
 from tracerl.demo import ensure_calculator_model  # noqa: E402
 from tracerl.engines.config import EngineConfig  # noqa: E402
 from tracerl.gateway.chat import parse_reply  # noqa: E402
+from tracerl.pipeline.async_source import AsyncSource  # noqa: E402
 from tracerl.pipeline.checkpoints import Checkpoints  # noqa: E402
 from tracerl.pipeline.config import PipelineConfig  # noqa: E402
 from tracerl.pipeline.sources import Agents, SyncSource, TaskOrder  # noqa: E402
@@ -106,6 +116,14 @@ class BenchConfig(BaseModel):
     """Final reward = mean of the last this many steps of a curve."""
     seed: int = 0
     """Seed of both runs (task order, sampling, init of anything random)."""
+    engine_kind: str = "hf_server"
+    """Where tracerl generates: 'hf_server' (a server process of its own) or 'hf' (in the
+    trainer's process)."""
+    max_staleness: int = 2
+    """The async run's allowed lag: a rollout sampled by a policy this many versions old is
+    still trained on."""
+    target_reward: float = 0.8
+    """The mean step reward whose first reaching is timed (time_to_target_ratio)."""
 
 
 class Curve(BaseModel):
@@ -134,6 +152,16 @@ class Curve(BaseModel):
         """Mean reward over the last `window` steps."""
         return statistics.fmean(self.rewards[-window:])
 
+    def time_to(self, target: float) -> float | None:
+        """Training seconds until the end of the first step whose reward reached `target`
+        (None: never reached)."""
+        clock = 0.0
+        for seconds, value in zip(self.step_s, self.rewards, strict=True):
+            clock += seconds
+            if value >= target:
+                return clock
+        return None
+
 
 class BenchResult(BaseModel):
     """The last line the bench prints."""
@@ -161,6 +189,21 @@ class BenchResult(BaseModel):
     """tracerl's first-step reward (the initial policy)."""
     start_reward_trl: float
     """TRL's first-step reward (the initial policy)."""
+    time_to_target_ratio: float | None
+    """TRL's / tracerl async's training seconds to the first step with mean reward >=
+    target_reward (> 1: tracerl gets there sooner); None when either never got there."""
+    tracerl_async_time_to_target_s: float | None
+    """tracerl (async pipeline) seconds to target."""
+    tracerl_sync_time_to_target_s: float | None
+    """tracerl (sync pipeline) seconds to target."""
+    trl_time_to_target_s: float | None
+    """TRL seconds to target."""
+    reward_tracerl_async: float
+    """The async run's final reward (same window)."""
+    target_reward: float
+    """The reward timed to."""
+    engine_kind: str
+    """Where tracerl generated (hf_server: its own process)."""
 
 
 # ---- the shared task and reward ---------------------------------------------------------
@@ -240,18 +283,23 @@ def _json_object(text: str) -> dict[str, Any]:
     return value if isinstance(value, dict) else {}
 
 
-def run_tracerl(cfg: BenchConfig, model_dir: Path, work: Path) -> Curve:
-    """Sync pipeline for cfg.steps steps; each step timed around Pipeline.run_step."""
+def run_tracerl(cfg: BenchConfig, model_dir: Path, work: Path, mode: str = "sync") -> Curve:
+    """The `mode` pipeline for cfg.steps steps; each step timed around Pipeline.run_step."""
     torch.manual_seed(cfg.seed)
     work.mkdir(parents=True, exist_ok=True)
     batch = cfg.tasks_per_step * cfg.group_size
     concurrency = cfg.concurrency or batch
     engine_cfg = EngineConfig(
-        max_batch_size=batch, default_max_tokens=cfg.max_tokens, seed=cfg.seed
+        kind=cfg.engine_kind,  # type: ignore[arg-type]
+        max_batch_size=batch,
+        default_max_tokens=cfg.max_tokens,
+        seed=cfg.seed,
+        log_dir=str(work / "engine-logs"),
     )
     stack = start_stack(model_dir, work / "traces.db", engine_cfg)
     threads = ThreadPoolExecutor(concurrency)
     http = DefaultHttpxClient()
+    source: SyncSource | AsyncSource | None = None
     try:
         call = functools.partial(first_call_agent, max_tokens=cfg.max_tokens, http=http)
         agent = python_agent(call, threads)
@@ -268,8 +316,14 @@ def run_tracerl(cfg: BenchConfig, model_dir: Path, work: Path) -> Curve:
         agents = Agents(stack.url, agent, rewarder, RunnerConfig(concurrency=concurrency))
         order = TaskOrder(bench_tasks(cfg), pipe_cfg.tasks_per_step, pipe_cfg.seed)
         curation = Curation([], pipe_cfg.group_size)
+        trainer = Trainer(model_dir, trainer_cfg)
         source = SyncSource("bench", stack.store, agents, order, curation)
-        policy = Policy("policy", Trainer(model_dir, trainer_cfg), stack.engine, ["policy"])
+        if mode == "async":  # keeps generating while the trainer trains
+            source = AsyncSource(
+                "bench", stack.store, agents, order, curation, lambda: trainer.version,
+                max_staleness=cfg.max_staleness,
+            )  # fmt: skip
+        policy = Policy("policy", trainer, stack.engine, ["policy"])
         pipeline = Pipeline(
             source,
             stack.store,
@@ -286,9 +340,11 @@ def run_tracerl(cfg: BenchConfig, model_dir: Path, work: Path) -> Curve:
             step_s.append(time.perf_counter() - started)
             cpu_s.append(time.process_time() - cpu)
             rewards.append(report.reward)
-            _progress("tracerl", len(rewards), cfg.steps, step_s[-1], report.reward)
-        return Curve(name="tracerl", step_s=step_s, cpu_s=cpu_s, rewards=rewards)
+            _progress(f"tracerl {mode}", len(rewards), cfg.steps, step_s[-1], report.reward)
+        return Curve(name=f"tracerl {mode}", step_s=step_s, cpu_s=cpu_s, rewards=rewards)
     finally:
+        if source is not None:
+            source.close()
         threads.shutdown(wait=False, cancel_futures=True)
         http.close()
         stack.close()
@@ -435,11 +491,14 @@ def compare(cfg: BenchConfig, work: Path) -> BenchResult:
     torch.set_num_threads(cfg.threads)
     model_dir = Path(cfg.model) if cfg.model else ensure_calculator_model()
     ours = run_tracerl(cfg, model_dir, work / "tracerl")
+    asynchronous = run_tracerl(cfg, model_dir, work / "tracerl-async", mode="async")
     theirs = run_trl(cfg, model_dir, work / "trl")
     if len(theirs.rewards) != cfg.steps or len(theirs.step_s) != cfg.steps:
         raise RuntimeError(f"TRL logged {len(theirs.rewards)} rewards in {cfg.steps} steps")
     print_table(ours, theirs)
+    print_table(asynchronous, theirs)
     w = max(1, min(cfg.final_window, cfg.steps))
+    t_async, t_trl = asynchronous.time_to(cfg.target_reward), theirs.time_to(cfg.target_reward)
     return BenchResult(
         step_time_ratio=theirs.step_time() / ours.step_time(),
         reward_tracerl=ours.final_reward(w),
@@ -451,11 +510,19 @@ def compare(cfg: BenchConfig, work: Path) -> BenchResult:
         rollouts_per_step=cfg.tasks_per_step * cfg.group_size,
         start_reward_tracerl=ours.rewards[0],
         start_reward_trl=theirs.rewards[0],
+        time_to_target_ratio=t_trl / t_async if t_trl and t_async else None,
+        tracerl_async_time_to_target_s=t_async,
+        tracerl_sync_time_to_target_s=ours.time_to(cfg.target_reward),
+        trl_time_to_target_s=t_trl,
+        reward_tracerl_async=asynchronous.final_reward(w),
+        target_reward=cfg.target_reward,
+        engine_kind=cfg.engine_kind,
     )
 
 
 def print_table(ours: Curve, theirs: Curve) -> None:
     """Per-step rewards, wall and CPU seconds of both, side by side."""
+    print(f"{ours.name} against {theirs.name}")
     head = ["step", "reward tracerl", "reward trl", "wall tracerl", "wall trl"]
     print("  ".join(f"{h:>14}" for h in [*head, "cpu tracerl", "cpu trl"]))
     columns = (ours.rewards, theirs.rewards, ours.step_s, theirs.step_s, ours.cpu_s, theirs.cpu_s)

@@ -97,3 +97,8 @@ def test_bench_runs_both_trainers_and_prints_the_json_line(calculator_model_dir:
     assert result["tracerl_step_s"] > 0 and result["trl_step_s"] > 0
     for key in ("reward_tracerl", "reward_trl", "start_reward_tracerl", "start_reward_trl"):
         assert 0.0 <= result[key] <= 1.0
+    # The async run, generating in a server process of its own, ran too.
+    assert result["engine_kind"] == "hf_server"
+    assert 0.0 <= result["reward_tracerl_async"] <= 1.0
+    for key in ("time_to_target_ratio", "tracerl_async_time_to_target_s", "trl_time_to_target_s"):
+        assert key in result

@@ -357,6 +357,35 @@ def test_a_single_dead_replica_is_unavailable_until_restarted(
         engine.close()
 
 
+@pytest.mark.slow
+def test_a_failed_connection_to_a_healthy_server_is_retried_not_restarted(
+    calculator_skilled_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A connection that fails while its server is fine (the server closed an idle pooled
+    connection as the call went out on it) costs a retry, not the replica: no recovery, the
+    same server process, the call answered."""
+    engine = HFServerEngine(calculator_skilled_dir, _cfg(tmp_path, 1))
+    try:
+        prompt = _prompt(engine, "What is 3*3?")
+        pid = engine.servers[0].process.pid
+        post, failures = httpx.AsyncClient.post, []
+
+        async def fails_once(self: httpx.AsyncClient, url: str, **kw: object) -> httpx.Response:
+            if not failures:
+                failures.append(url)
+                raise httpx.ReadError("")  # what a connection closed under a request raises
+            return await post(self, url, **kw)  # type: ignore[arg-type]
+
+        monkeypatch.setattr(httpx.AsyncClient, "post", fails_once)
+        g = asyncio.run(engine.generate(prompt, SamplingParams(max_tokens=4)))
+        assert failures and len(g.completion_ids) >= 1
+        time.sleep(0.5)  # a recovery, had one started, would be restarting the server now
+        assert engine.recoveries == 0 and all(r.up for r in engine.replicas.replicas)
+        assert engine.servers[0].process.pid == pid and engine.servers[0].exited() is None
+    finally:
+        engine.close()
+
+
 class _DiesWhileStarting(LaunchedEngine):
     """A server engine whose server exits before it answers /health (a replica killed
     while a run starts)."""

@@ -34,6 +34,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from tracerl.engines.constrained import ConstrainedParams
 from tracerl.engines.launch import LaunchedEngine
+from tracerl.engines.remote import SERVER_KEEPALIVE_S
 from tracerl.types import Generation, SamplingParams
 
 if TYPE_CHECKING:
@@ -257,7 +258,7 @@ def main(argv: list[str] | None = None) -> None:
     try:
         uvicorn.run(
             create_app(engine), host=args.host, port=args.port, log_level="warning",
-            access_log=False,
+            access_log=False, timeout_keep_alive=SERVER_KEEPALIVE_S,
         )  # fmt: skip
     finally:
         engine.close()

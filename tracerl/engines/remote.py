@@ -63,6 +63,16 @@ _POLL_S = 0.005
 """How often a request waiting for its replica to finish switching weights looks again."""
 _RETRY_S = (1.0, 30.0)
 """First and longest wait between two attempts to bring a replica back."""
+KEEPALIVE_S = 2.0
+"""How long an idle pooled connection is reused: well under the servers' keep-alive (the
+transformers server's and vLLM's are set to SERVER_KEEPALIVE_S), so the client never sends
+on a connection the server is closing."""
+SERVER_KEEPALIVE_S = 30
+"""How long the engine servers tracerl starts keep an idle connection open."""
+_CONNECTION_ERRORS = (httpx.TransportError, AttributeError)
+"""What a failed connection raises. AttributeError: anyio reads the peer name of a socket that
+a closing server has already dropped (`'NoneType' object has no attribute 'getpeername'`)
+while httpcore opens a connection."""
 
 
 class RemoteEngine:
@@ -132,16 +142,27 @@ class RemoteEngine:
             replica, version = await self._admit(routing_key, failed)
             try:
                 response = await self._client().post(f"{replica.url}/v1/completions", json=body)
-            except httpx.TransportError as exc:
+            except _CONNECTION_ERRORS as exc:
                 if self._closed:
                     raise RuntimeError("engine is closed") from exc
-                self.replica_failed(replica, repr(exc))
-                failed = replica
+                # A connection can fail while its server is fine (one closed under an idle
+                # pooled connection): only a server that does not answer /health is out.
+                if not await self._alive(replica):
+                    self.replica_failed(replica, repr(exc))
+                    failed = replica
                 continue
             finally:
                 self.replicas.leave(replica)
             return self._generation(_json(response), params, version)
         raise EngineUnavailable(f"replica {failed.url if failed else '?'} failed twice")
+
+    async def _alive(self, replica: Replica) -> bool:
+        """Whether the server of `replica` answers /health now, on a fresh connection."""
+        try:
+            async with httpx.AsyncClient(timeout=5.0) as client:
+                return (await client.get(f"{replica.url}/health")).status_code == 200
+        except _CONNECTION_ERRORS:
+            return False
 
     def generate_sync(self, replica: int, prompt_ids: list[int], max_tokens: int = 1) -> Generation:
         """Greedy completion from one given replica, outside any event loop (checks, tests)."""
@@ -252,7 +273,9 @@ class RemoteEngine:
         loop = asyncio.get_running_loop()
         client = self._clients.get(loop)
         if client is None:
-            limits = httpx.Limits(max_connections=None, max_keepalive_connections=64)
+            limits = httpx.Limits(
+                max_connections=None, max_keepalive_connections=64, keepalive_expiry=KEEPALIVE_S
+            )
             client = httpx.AsyncClient(timeout=self.timeout_s, limits=limits)
             self._clients[loop] = client
         return client

@@ -15,6 +15,7 @@ from pathlib import Path
 
 from tracerl.engines.config import EngineConfig
 from tracerl.engines.launch import LaunchedEngine, Placement, source_env
+from tracerl.engines.remote import SERVER_KEEPALIVE_S
 
 __all__ = ["VLLMEngine", "server_args", "server_env", "server_vars"]
 
@@ -59,6 +60,8 @@ def server_vars() -> dict[str, str]:
         "VLLM_SERVER_DEV_MODE": "1",  # /pause, /resume, /collective_rpc, ...
         # One process (~1 GB less), unless this environment says otherwise.
         "VLLM_ENABLE_V1_MULTIPROCESSING": os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING", "0"),
+        # Idle connections outlive the client's pool (remote.KEEPALIVE_S): no close races.
+        "VLLM_HTTP_TIMEOUT_KEEP_ALIVE": str(SERVER_KEEPALIVE_S),
     }
 
 
