@@ -88,7 +88,9 @@ class Gateway:
         self.remote = remote or {}
         """Roles answered by OpenAI-compatible URLs elsewhere (frozen, recorded as text)."""
         self._students = {
-            name: StudentEncoder(r.tokenizer) for name, r in self.remote.items() if r.tokenizer
+            name: StudentEncoder(r.tokenizer, r.reply)
+            for name, r in self.remote.items()
+            if r.tokenizer
         }
         """Remote roles whose calls are also recorded as a local tokenizer's ids."""
         clash = sorted(set(models) & set(self.remote))
