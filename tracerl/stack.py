@@ -23,7 +23,7 @@ thread, its owner, and what runs on it.
 - `hf-engine`, one per policy (owner: `engines`): the model; prefill, decode steps, and
   weight swaps between steps. Answers reach the gateway's loop by call_soon_threadsafe.
 - server engines only (engine.kind vllm or hf_server; owner: the engine,
-  tracerl.engines.launch): `<kind>-watch` notices a server process that exited, and an
+  tracerl.engines.supervise): `<kind>-watch` notices a server process that exited, and an
   `engine-recovery-<i>` thread per replica out of service restarts its server and reloads
   the current weights (under the engine's weight-sync lock, so it never races `publish`).
   Both stop at the engine's close.
