@@ -319,15 +319,38 @@ def test_finished_rollouts_leave_nothing_remembered(tiny_model_dir: Path) -> Non
             client = _client(server.url, rollout.id)
             for _ in range(2):
                 client.chat.completions.create(model="policy", messages=MESSAGES, tools=TOOLS)
-            assert gateway._histories and gateway.recorder._calls
+            assert len(gateway.histories) and gateway.recorder._calls
             body = {"attempt": rollout.attempt, "status": "succeeded", "reward": 1.0}
             url = f"{server.url}/store/rollouts/{rollout.id}/finish"
             assert httpx.post(url, json=body).status_code == 200
         assert len(store.spans(rollout.id)) == 2
-        assert not gateway._histories and not gateway.recorder._calls
+        assert not len(gateway.histories) and not gateway.recorder._calls
     finally:
         server.stop()
         store.close()
+
+
+def test_histories_keep_the_most_recently_used_attempts() -> None:
+    from tracerl.gateway.histories import Histories
+    from tracerl.gateway.served import Choice
+    from tracerl.gateway.tito import Prompt
+    from tracerl.gateway.toolcalls import ParsedReply
+    from tracerl.types import Generation
+
+    gen = Generation(
+        completion_ids=[7, 8], logprobs=[0.0, 0.0], finish_reason="stop", policy_version=0
+    )
+    choice = Choice(0, gen, "hi", ParsedReply(content="hi", tool_calls=[]), [], "stop")
+    histories = Histories(memory=2)
+    asked = [{"role": "user", "content": "?"}]
+    for rollout in ("a", "b", "a", "c"):  # a's second call makes b the least recently used
+        histories.remember((rollout, 0, "policy", None), asked, None, Prompt([1, 2]), [choice])
+    assert histories.get(("b", 0, "policy", None)) is None
+    assert histories.get(("a", 0, "policy", None)) is not None
+    kept = histories.get(("c", 0, "policy", None))
+    assert kept is not None and kept.turns[0].ids == [1, 2, 7, 8] and kept.turns[0].end == "eos"
+    histories.forget("c", 0)
+    assert len(histories) == 1 and histories.get(("c", 0, "policy", None)) is None
 
 
 def test_stop_sequences_with_a_real_engine(tiny_model_dir: Path) -> None:

@@ -311,6 +311,56 @@ def test_remote_role_is_recorded_as_text_and_never_trained(
     assert (tmp_path / "roles" / "model" / "config.json").exists()  # the one trained policy
 
 
+def test_reply_formats_come_from_each_role_else_the_run(tiny_model_dir: Path, capsys) -> None:  # type: ignore[no-untyped-def]
+    import typing
+
+    import tracerl.cli
+    from tracerl.gateway import Gateway
+    from tracerl.gateway.toolcalls import FORMATS
+    from tracerl.roles import ReplyFormat, ToolParser
+
+    assert typing.get_args(ToolParser) == tuple(FORMATS)  # the config knows every parser
+    roles = {
+        "a": {"tool_parser": "llama3", "thinking": ["<plan>", "</plan>"]},
+        "b": {"share": "a"},
+        "c": {"share": "a", "tool_parser": "mistral"},
+    }
+    cfg = TrainConfig(model="/m", roles=roles, tool_parser="qwen3_coder")
+    (spec,) = cfg.policies()
+    plan = ("<plan>", "</plan>")
+    assert spec.formats == {  # a role playing another's policy reads replies its own way
+        "a": ReplyFormat("llama3", plan),
+        "b": ReplyFormat("qwen3_coder", None),
+        "c": ReplyFormat("mistral", None),
+    }
+    (alone,) = TrainConfig(model="/m", thinking=plan).policies()
+    assert alone.formats == {"policy": ReplyFormat(None, plan)}  # no roles: the run's policy
+    # A remote role with a tokenizer reads its encoded replies back in its format too.
+    teacher = {"url": "http://h/v1", "tokenizer": str(tiny_model_dir), "tool_parser": "llama3"}
+    remote = remote_roles({"t": RoleConfig.model_validate(teacher)}, cfg.reply_format())
+    assert remote["t"].reply == ReplyFormat("llama3", None)
+    gateway = Gateway(SqliteStore(":memory:"), {}, remote=remote)
+    assert gateway._students["t"].format.name == "llama3"
+    bad = [
+        ({"tool_parser": "llama4"}, "Input should be 'hermes', 'qwen3_coder', 'llama3' or"),
+        ({"thinking": ["<t>", "<t>"]}, "two different non-empty markers"),
+        ({"thinking": ["<t>"]}, "thinking.1\n  Field required"),
+        ({"url": "http://h/v1", "tool_parser": "hermes"}, "need a tokenizer"),
+    ]
+    for role, message in bad:
+        with pytest.raises(ValueError, match=message):
+            RoleConfig.model_validate(role)
+    with pytest.raises(SystemExit, match="roles.a.tool_parser: Input should be 'hermes'"):
+        tracerl.cli.main(["serve", "--roles", json.dumps({"a": {"tool_parser": "nope"}})])
+    with pytest.raises(SystemExit, match="train.tool_parser: Input should be"):
+        tracerl.cli.main(["train", "--tool_parser", "nope"])
+    with pytest.raises(SystemExit):
+        tracerl.cli.main(["serve", "--help"])
+    shown = capsys.readouterr().out
+    assert "--tool_parser {{hermes,qwen3_coder,llama3,mistral},null}" in shown
+    assert "--thinking" in shown
+
+
 def test_top_agent_is_told_a_served_role_and_check_reads_role_models(
     tiny_model_dir: Path, tmp_path: Path
 ) -> None:

@@ -1,7 +1,7 @@
 """Tool-call formats of real model families: each parser on well-formed, multiple and
 malformed calls; the format read off a chat template written in each family's style; and
 the gateway turning each family's text into OpenAI tool calls while the span keeps the
-model's own ids."""
+model's own ids; each role of a stack reading replies in the format its config names."""
 
 from __future__ import annotations
 
@@ -12,10 +12,15 @@ import httpx
 import pytest
 from transformers import AutoTokenizer
 
+import tracerl.stack
 from tracerl.engines.stub import StubEngine
+from tracerl.entrypoints.config import ServingConfig
 from tracerl.gateway import Gateway, ServedModel, create_app
 from tracerl.gateway.toolcalls import FORMATS, detect, parse_reply
+from tracerl.pipeline.run import start_roles_stack
+from tracerl.roles import remote_roles
 from tracerl.server import serve_in_thread
+from tracerl.stack import LocalStack
 from tracerl.store.sqlite import SqliteStore
 
 from .scripted import running_rollout
@@ -201,3 +206,67 @@ def test_gateway_returns_openai_tool_calls(family: str, tiny_model_dir: Path) ->
     finally:
         server.stop()
         store.close()
+
+
+def _stack_answering(text: str, cfg: ServingConfig, monkeypatch, tmp_path: Path) -> LocalStack:  # type: ignore[no-untyped-def]
+    """The stack `cfg` serves (as `tracerl serve` and `eval` build it), every engine a stub
+    that answers `text`."""
+    tokenizer = AutoTokenizer.from_pretrained(cfg.model)
+    end = tokenizer.convert_tokens_to_ids("<|end|>")
+    ids = [*tokenizer.encode(text, add_special_tokens=False), end]
+    stub = StubEngine(ids, eos_token_ids=[end], tokenizer=tokenizer)
+    monkeypatch.setattr(tracerl.stack, "make_engine", lambda *args, **kwargs: stub)
+    remote = remote_roles(cfg.roles, cfg.reply_format())
+    return start_roles_stack(cfg.policies("serve"), remote, tmp_path / "s.db", cfg.engine)
+
+
+def _ask(stack: LocalStack, model: str) -> dict:  # type: ignore[type-arg]
+    rid = running_rollout(stack.store)
+    body = {"model": model, "messages": [{"role": "user", "content": "go"}], "tools": TOOLS}
+    reply = httpx.post(f"{stack.url}/rollouts/{rid}/v1/chat/completions", json=body)
+    assert reply.status_code == 200, reply.text
+    (span,) = stack.store.spans(rid)
+    return {**reply.json()["choices"][0], "span_ids": span.completion_ids}
+
+
+def test_each_role_of_a_stack_parses_replies_in_its_own_format(
+    tiny_model_dir: Path, tmp_path: Path, monkeypatch
+) -> None:  # type: ignore[no-untyped-def]
+    model = str(tiny_model_dir)
+    assert detect(AutoTokenizer.from_pretrained(model).chat_template).name == "hermes"
+    # One policy, two roles: the planner's replies are read as Llama 3 calls, the
+    # executor's (same engine, same ids) in the format its chat template shows.
+    roles = {"planner": {"tool_parser": "llama3"}, "executor": {"share": "planner"}}
+    cfg = ServingConfig.model_validate({"model": model, "roles": roles})
+    stack = _stack_answering(TWO_CALLS["llama3"], cfg, monkeypatch, tmp_path)
+    try:
+        planner, executor = _ask(stack, "planner"), _ask(stack, "executor")
+    finally:
+        stack.close()
+    assert planner["finish_reason"] == "tool_calls"
+    calls = planner["message"]["tool_calls"]
+    assert [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in calls] == [
+        ("add", {"a": 1, "b": 2}),
+        ("shell", {"cmd": "ls -l"}),
+    ]
+    assert executor["finish_reason"] == "stop" and not executor["message"].get("tool_calls")
+    assert executor["message"]["content"] == TWO_CALLS["llama3"]
+    assert planner["span_ids"] == executor["span_ids"]  # parsing never touches the ids
+
+
+def test_configured_thinking_markers_split_reasoning_off(
+    tiny_model_dir: Path, tmp_path: Path, monkeypatch
+) -> None:  # type: ignore[no-untyped-def]
+    # The run's markers serve every role that sets none; a role's own replace them.
+    roles = {"a": {}, "b": {"share": "a", "thinking": ["<r>", "</r>"]}}
+    plan = ["<plan>", "</plan>"]
+    cfg = ServingConfig.model_validate(
+        {"model": str(tiny_model_dir), "roles": roles, "thinking": plan}
+    )
+    stack = _stack_answering("<plan>I add 1 and 2.</plan>3", cfg, monkeypatch, tmp_path)
+    try:
+        a, b = _ask(stack, "a")["message"], _ask(stack, "b")["message"]
+    finally:
+        stack.close()
+    assert (a["reasoning_content"], a["content"]) == ("I add 1 and 2.", "3")
+    assert not b.get("reasoning_content") and b["content"] == "<plan>I add 1 and 2.</plan>3"

@@ -8,11 +8,11 @@ elsewhere is forwarded by the gateway and recorded as text. Torch-free: configs 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING, Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_validator
 
 from tracerl.trainer.config import LoraSettings
 
@@ -22,13 +22,42 @@ if TYPE_CHECKING:
 __all__ = [
     "GatewayConfig",
     "PolicySpec",
+    "ReplyFormat",
     "RoleConfig",
+    "Thinking",
+    "ToolParser",
     "check_local_models",
     "policy_specs",
     "remote_roles",
     "resolve_roles",
     "top_model",
 ]
+
+
+ToolParser = Literal["hermes", "qwen3_coder", "llama3", "mistral"]
+"""A tool-call format the gateway parses (tracerl.gateway.toolcalls.FORMATS)."""
+
+
+def _markers(pair: tuple[str, str]) -> tuple[str, str]:
+    start, end = pair
+    if not start or not end or start == end:
+        raise ValueError(f"thinking {pair!r}: expected two different non-empty markers")
+    return pair
+
+
+Thinking = Annotated[tuple[str, str], AfterValidator(_markers)]
+"""Reasoning markers (start, end), e.g. ["<think>", "</think>"]."""
+
+
+@dataclass(frozen=True)
+class ReplyFormat:
+    """How the gateway reads one role's replies. Parsing only shapes the response the agent
+    gets; the span keeps the model's own token ids."""
+
+    tool_parser: ToolParser | None = None
+    """Its tool-call format; None: read off the chat template."""
+    thinking: tuple[str, str] | None = None
+    """Its reasoning markers; None: `<think>`/`</think>` when the chat template knows them."""
 
 
 class RoleConfig(BaseModel):
@@ -58,6 +87,15 @@ class RoleConfig(BaseModel):
     calls as token ids too (the prompt as that template renders it, the reply's text as the
     completion), so `tracerl sft --from-traces --base <dir>` trains a student on a remote
     teacher's calls; unset: recorded as text only."""
+    tool_parser: ToolParser | None = None
+    """The tool-call format its replies are parsed in (hermes, qwen3_coder, llama3,
+    mistral); a role playing another's policy keeps its own; with `url`, how `tokenizer`'s
+    template writes calls. Default: the run's tool_parser, else read off the chat template
+    (Hermes when it gives no sign)."""
+    thinking: Thinking | None = None
+    """Its reasoning markers [start, end], split off the reply as `reasoning_content`.
+    Default: the run's thinking, else `<think>`/`</think>` when the chat template knows
+    them."""
 
     @model_validator(mode="after")
     def _remote_alone(self) -> RoleConfig:
@@ -65,11 +103,21 @@ class RoleConfig(BaseModel):
             if self.remote_model or self.api_key_env or self.tokenizer:
                 raise ValueError("remote_model, api_key_env and tokenizer need a url")
             return self
+        if (self.tool_parser or self.thinking) and not self.tokenizer:
+            raise ValueError(
+                "a url role parses nothing itself: tool_parser and thinking need a tokenizer"
+            )
         if not self.url.startswith(("http://", "https://")):
             raise ValueError(f"url {self.url!r}: expected http(s)://host[:port]/v1")
         if self.model or self.share or self.lora:
             raise ValueError("a role served by a url has no local model, share or lora")
         return self
+
+    def reply_format(self, default: ReplyFormat) -> ReplyFormat:
+        """Its own tool_parser and thinking, else `default`'s (the run's)."""
+        return ReplyFormat(
+            self.tool_parser or default.tool_parser, self.thinking or default.thinking
+        )
 
 
 @dataclass
@@ -81,19 +129,26 @@ class PolicySpec:
     roles: list[str]
     frozen: bool
     lora: LoraSettings | None
+    formats: dict[str, ReplyFormat] = field(default_factory=dict)
+    """How the gateway reads each of its roles' replies (a sharing role's are its own)."""
 
 
 def resolve_roles(
-    roles: dict[str, RoleConfig], model: str, lora: LoraSettings | None = None
+    roles: dict[str, RoleConfig],
+    model: str,
+    lora: LoraSettings | None = None,
+    reply: ReplyFormat = ReplyFormat(),
 ) -> list[PolicySpec]:
     """Roles -> policies: a role with local weights of its own is a policy named after it
     (its model dir, else `model`); a sharing role joins its target's policy; a role served
-    by a url is none. Clear errors for a bad mapping."""
+    by a url is none. `reply` is the run's reply format, for roles that set none. Clear
+    errors for a bad mapping."""
     specs: dict[str, PolicySpec] = {}
     for role, rc in roles.items():
         if rc.share is None and rc.url is None:
             own = rc.lora or lora
             specs[role] = PolicySpec(role, rc.model or model, [role], rc.frozen, own)
+            specs[role].formats[role] = rc.reply_format(reply)
     for role, rc in roles.items():
         if rc.share is None:
             continue
@@ -108,29 +163,41 @@ def resolve_roles(
                 f"on {rc.share!r} instead"
             )
         specs[rc.share].roles.append(role)
+        specs[rc.share].formats[role] = rc.reply_format(reply)
     return list(specs.values())
 
 
 def policy_specs(
-    roles: dict[str, RoleConfig], model_name: str, model: str, lora: LoraSettings | None
+    roles: dict[str, RoleConfig],
+    model_name: str,
+    model: str,
+    lora: LoraSettings | None,
+    reply: ReplyFormat = ReplyFormat(),
 ) -> list[PolicySpec]:
     """A run's policies (one, `model_name` from `model`, when `roles` is empty)."""
-    specs = resolve_roles(roles or {model_name: RoleConfig()}, model, lora)
+    specs = resolve_roles(roles or {model_name: RoleConfig()}, model, lora, reply)
     if all(spec.frozen for spec in specs):
         raise ValueError("every role is frozen: there is nothing to train")
     return specs
 
 
-def remote_roles(roles: dict[str, RoleConfig]) -> dict[str, RemoteModel]:
+def remote_roles(
+    roles: dict[str, RoleConfig], reply: ReplyFormat = ReplyFormat()
+) -> dict[str, RemoteModel]:
     """The roles served by OpenAI-compatible URLs elsewhere (frozen, recorded as text, and as
-    a local tokenizer's ids when they name one)."""
+    a local tokenizer's ids, read back in `reply` unless they set their own, when they name
+    one)."""
     from tracerl.gateway.remote import RemoteModel
 
-    return {
-        role: RemoteModel(role, rc.url, rc.remote_model or role, rc.api_key_env, rc.tokenizer)
-        for role, rc in roles.items()
-        if rc.url is not None
-    }
+    out = {}
+    for role, rc in roles.items():
+        if rc.url is None:
+            continue
+        fmt = rc.reply_format(reply) if rc.tokenizer else ReplyFormat()
+        out[role] = RemoteModel(
+            role, rc.url, rc.remote_model or role, rc.api_key_env, rc.tokenizer, fmt
+        )
+    return out
 
 
 def check_local_models(specs: list[PolicySpec], roles: bool) -> None:

@@ -23,7 +23,7 @@ thread, its owner, and what runs on it.
 - `hf-engine`, one per policy (owner: `engines`): the model; prefill, decode steps, and
   weight swaps between steps. Answers reach the gateway's loop by call_soon_threadsafe.
 - server engines only (engine.kind vllm or hf_server; owner: the engine,
-  tracerl.engines.launch): `<kind>-watch` notices a server process that exited, and an
+  tracerl.engines.supervise): `<kind>-watch` notices a server process that exited, and an
   `engine-recovery-<i>` thread per replica out of service restarts its server and reloads
   the current weights (under the engine's weight-sync lock, so it never races `publish`).
   Both stop at the engine's close.
@@ -60,7 +60,7 @@ from tracerl.engines.config import EngineConfig
 from tracerl.gateway import Gateway, ServedModel, create_app
 from tracerl.gateway.remote import RemoteModel
 from tracerl.limits import Limits
-from tracerl.roles import GatewayConfig
+from tracerl.roles import GatewayConfig, ReplyFormat
 from tracerl.server import BackgroundServer, serve_in_thread
 from tracerl.store import Store
 from tracerl.store.open import open_store
@@ -165,25 +165,31 @@ def start_multi_stack(
     limits: Limits | None = None,
     gateway_cfg: GatewayConfig | None = None,
     place: Placement | None = None,
+    formats: dict[str, ReplyFormat] | None = None,
 ) -> LocalStack:
     """One engine per entry of `models` (policy -> model dir); the gateway answers to each
-    role of `roles` (role -> policy) with that policy's engine, to each role of `remote` by
-    forwarding to its OpenAI-compatible URL, and to other names as `gateway_cfg` maps them.
-    `keys` (None: open) and `limits` guard the HTTP API (tracerl.auth, tracerl.limits);
-    `place` puts server engines' servers (see make_engine)."""
+    role of `roles` (role -> policy) with that policy's engine, reading its replies as
+    `formats` says (role -> format; a role not in it: read off its chat template), to each
+    role of `remote` by forwarding to its OpenAI-compatible URL, and to other names as
+    `gateway_cfg` maps them. `keys` (None: open) and `limits` guard the HTTP API
+    (tracerl.auth, tracerl.limits); `place` puts server engines' servers (see make_engine)."""
     engine_cfg = engine_cfg or EngineConfig()
     missing = sorted(set(roles.values()) - set(models))
     if missing:
         raise ValueError(f"roles name policies with no model: {missing}")
     store = open_store(store_path)  # a postgresql:// URL shares the store between machines
     engines = {name: make_engine(path, engine_cfg, place=place) for name, path in models.items()}
-    # The gateway renders each role's prompts with its engine's own tokenizer.
-    served = {
-        role: ServedModel(
-            role, engines[policy], engines[policy].tokenizer, engine_cfg.default_max_tokens
+    # The gateway renders each role's prompts with its engine's own tokenizer and reads its
+    # replies in the role's own format, even where roles share one engine.
+    formats = formats or {}
+    served = {}
+    for role, policy in roles.items():
+        fmt = formats.get(role, ReplyFormat())
+        engine = engines[policy]
+        max_tokens = engine_cfg.default_max_tokens
+        served[role] = ServedModel(
+            role, engine, engine.tokenizer, max_tokens, fmt.tool_parser, fmt.thinking
         )
-        for role, policy in roles.items()
-    }
     names = gateway_cfg or GatewayConfig()
     gateway = Gateway(store, served, remote=remote, aliases=names.model_aliases,
                       default_model=names.default_model, record=names.record,

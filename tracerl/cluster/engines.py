@@ -44,7 +44,8 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from tracerl.cluster.config import ClusterConfig
 from tracerl.cluster.runners import short
-from tracerl.engines.launch import Server, ServerCommand, ServerProcess, wait_healthy
+from tracerl.engines.launch import ServerCommand, ServerProcess
+from tracerl.engines.supervise import Server, wait_healthy
 
 __all__ = ["EngineActor", "EngineInfo", "RayLauncher", "RemoteServer"]
 
@@ -108,7 +109,7 @@ class EngineActor:
 
 
 class RemoteServer:
-    """A Server (tracerl.engines.launch) whose process an EngineActor holds on some node."""
+    """A Server (tracerl.engines.supervise) whose process an EngineActor holds on some node."""
 
     def __init__(self, handle: Any, info: EngineInfo) -> None:
         self.handle, self.info = handle, info

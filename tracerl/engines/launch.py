@@ -1,4 +1,4 @@
-"""Engine servers started, watched, restarted and stopped by this process.
+"""Engine servers started and stopped by this process.
 
 `LaunchedEngine` is a RemoteEngine whose servers it starts: vLLM's (tracerl.engines.vllm)
 or tracerl's transformers server (tracerl.engines.hf_server); a subclass says only which
@@ -6,10 +6,11 @@ command starts one (a `ServerCommand`). A `Launcher` says where: by default
 (`LocalLauncher`) each is a child process of this one; a cluster run's launcher
 (tracerl.cluster.engines) has Ray start each on a node of its own. Either way a server
 (`ServerProcess`) runs in its own process group, bound to a free port of its machine's
-loopback (or of the node's address on a real cluster), logging to `log_dir`. A watch thread
-notices a server whose process exited; it and any failed connection take the replica out of
-service, and its recovery starts a fresh server (RemoteEngine then loads the current weights
-into it before it takes calls). Every group is killed on close and at interpreter exit.
+loopback (or of the node's address on a real cluster), logging to `log_dir`. Keeping them
+in service is supervise.py's: a server whose process exited, or any failed connection, takes
+the replica out of service, and its recovery starts a fresh server (RemoteEngine then loads
+the current weights into it before it takes calls). Every group is killed on close and at
+interpreter exit.
 """
 
 from __future__ import annotations
@@ -24,19 +25,18 @@ import socket
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
 
-import httpx
 from transformers import AutoConfig, AutoTokenizer, GenerationConfig, PreTrainedTokenizerBase
 
 from tracerl.engines.config import EngineConfig
 from tracerl.engines.remote import RemoteEngine
 from tracerl.engines.replicas import Replica
+from tracerl.engines.supervise import Server, Supervisor, wait_healthy
 
 __all__ = [
     "HOST",
@@ -45,21 +45,17 @@ __all__ = [
     "Launcher",
     "LocalLauncher",
     "Placement",
-    "Server",
     "ServerCommand",
     "ServerProcess",
     "eos_token_ids",
     "group_has_others",
     "live_servers",
     "source_env",
-    "wait_healthy",
 ]
 
 SOURCE_ROOT = Path(__file__).resolve().parents[2]
 """The directory holding the tracerl package, put on the servers' PYTHONPATH so that they
 import this tracerl (the vLLM venv does not install it)."""
-_WATCH_S = 0.5
-"""How often the watch thread looks for servers whose process exited."""
 _LIVE: set[ServerProcess] = set()
 """Servers started and not yet stopped, killed at interpreter exit."""
 
@@ -106,31 +102,6 @@ class ServerCommand:
         argv = [host if a == HOST else str(port) if a == PORT else a for a in self.argv]
         env = source_env() | self.env
         return ServerProcess(self.name, argv, port, env, self.log_dir, host, die_with_parent)
-
-
-class Server(Protocol):
-    """A started server as its engine sees it: here (ServerProcess) or on a cluster node."""
-
-    url: str
-    """Its base URL, reachable from this process."""
-    log_path: Path
-    """Its log, on the machine it runs on."""
-
-    def wait_ready(self, timeout_s: float) -> None:
-        """Wait until it answers /health; on exit or timeout, stop it and raise."""
-        ...
-
-    def exited(self) -> int | None:
-        """Its exit code once its process ended, else None."""
-        ...
-
-    def log_tail(self, lines: int = 30) -> str:
-        """The last lines of its log."""
-        ...
-
-    def stop(self) -> None:
-        """Stop it and whatever it started."""
-        ...
 
 
 class Launcher(Protocol):
@@ -233,28 +204,6 @@ class ServerProcess:
         self.process.wait(timeout=10)
 
 
-def wait_healthy(server: Server, timeout_s: float) -> None:
-    """Wait until `server` answers /health with 200; if it exits first or the time runs
-    out, stop it and raise with the end of its log."""
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        code = server.exited()
-        if code is not None:
-            _fail(server, f"exited with code {code} while starting")
-        with contextlib.suppress(httpx.HTTPError):
-            if httpx.get(f"{server.url}/health", timeout=2.0).status_code == 200:
-                return
-        time.sleep(0.5)
-    _fail(server, f"did not answer /health within {timeout_s:.0f} s")
-
-
-def _fail(server: Server, what: str) -> None:
-    tail = server.log_tail()
-    server.stop()
-    where = f"server on {server.url} {what}; log {server.log_path}"
-    raise RuntimeError(f"{where} ends with:\n{tail}")
-
-
 def _die_with_parent() -> None:
     """In a server's process before exec: ask Linux for SIGTERM when its parent dies."""
     if sys.platform.startswith("linux"):
@@ -285,14 +234,15 @@ class LaunchedEngine(RemoteEngine):
         config = AutoConfig.from_pretrained(model_dir)
         # Set before the servers start: their command lines take it.
         self.max_context = int(config.max_position_embeddings)
-        self.servers: list[Server] = []
-        self._lock = threading.Lock()  # guards `servers` against close during a restart
-        self._stopped = threading.Event()
+        self.supervisor = Supervisor(
+            self.name, self._new_server, self._server_exited, cfg.startup_timeout_s
+        )
+        """The servers started here, kept in service (none with `cfg.urls`)."""
         self._own_weights_dir = cfg.weights_dir is None
         # Set before the servers start: close() removes it if one fails to start.
         self.weights_dir = Path(cfg.weights_dir or tempfile.mkdtemp(prefix="tracerl-weights-"))
         try:
-            urls = list(cfg.urls) or self._start_servers()
+            urls = list(cfg.urls) or self.supervisor.start_all(cfg.replicas)
             super().__init__(
                 urls,
                 tokenizer=tokenizer,
@@ -310,7 +260,7 @@ class LaunchedEngine(RemoteEngine):
             self.close()
             raise
         if self.servers:
-            threading.Thread(target=self._watch, name=f"{self.name}-watch", daemon=True).start()
+            self.supervisor.watch()
 
     # -- what a subclass says ----------------------------------------------------------
 
@@ -330,12 +280,13 @@ class LaunchedEngine(RemoteEngine):
         command = ServerCommand(self.name, tuple(self.command(HOST, PORT)), self.env(), log_dir)
         return self.launcher.start(index, command)
 
-    def _start_servers(self) -> list[str]:
-        for index in range(self.cfg.replicas):
-            self.servers.append(self._new_server(index))
-        for server in self.servers:
-            server.wait_ready(self.cfg.startup_timeout_s)
-        return [server.url for server in self.servers]
+    @property
+    def servers(self) -> list[Server]:
+        """The servers started here, by replica index."""
+        return self.supervisor.servers
+
+    def _server_exited(self, index: int, why: str) -> None:
+        self.replica_failed(self.replicas.replicas[index], why)
 
     def warm_up(self) -> None:
         """One token from every server: a model a server cannot run fails here, with its log."""
@@ -343,43 +294,23 @@ class LaunchedEngine(RemoteEngine):
             try:
                 self.generate_sync(i, [self.eos_token_ids[0]])
             except Exception as exc:
-                tail = self.servers[i].log_tail() if i < len(self.servers) else ""
+                tail = self.supervisor.log_tail(i)
                 raise RuntimeError(
                     f"{self.name} server {url} failed its first request: {exc}\n{tail}"
                 ) from exc
-
-    def _watch(self) -> None:
-        """Take a replica whose server process exited out of service (its recovery restarts
-        it), even when no call is failing on it."""
-        while not self._stopped.wait(_WATCH_S):
-            with self._lock:
-                servers = list(enumerate(self.servers))
-            for i, server in servers:
-                code = server.exited()
-                if code is not None:
-                    self.replica_failed(self.replicas.replicas[i], f"exited with code {code}")
 
     def revive(self, replica: Replica) -> str:
         """Replace the server of `replica` by a fresh one and wait until it is ready."""
         if not self.servers:
             return super().revive(replica)
-        with self._lock:
-            if self._stopped.is_set():
-                raise RuntimeError("engine is closed")
-            self.servers[replica.index].stop()
-            server = self.servers[replica.index] = self._new_server(replica.index)
-        server.wait_ready(self.cfg.startup_timeout_s)
-        return server.url
+        return self.supervisor.restart(replica.index)
 
     def close(self) -> None:
         """Stop the client, then kill the servers started here and drop their weights."""
         if hasattr(self, "replicas"):  # a start that failed never set up the client
             super().close()
-        with self._lock:
-            self._stopped.set()
-            for server in self.servers:
-                server.stop()
-            self.launcher.close()
+        self.supervisor.close()
+        self.launcher.close()
         if self._own_weights_dir:
             shutil.rmtree(self.weights_dir, ignore_errors=True)
 

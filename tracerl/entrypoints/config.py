@@ -18,7 +18,10 @@ from tracerl.pipeline.config import TrainConfig
 from tracerl.roles import (
     GatewayConfig,
     PolicySpec,
+    ReplyFormat,
     RoleConfig,
+    Thinking,
+    ToolParser,
     check_local_models,
     resolve_roles,
     top_model,
@@ -73,6 +76,12 @@ class ServingConfig(Command):
     """Agent systems with several roles: each role's model dir, shared weights or url, as in
     `tracerl train` (JSON, e.g. '{"planner": {"model": "m/p"}, "executor": {"share":
     "planner"}}'): one engine per policy, remote roles forwarded."""
+    tool_parser: ToolParser | None = None
+    """The tool-call format of `model`'s replies (hermes, qwen3_coder, llama3, mistral), for
+    every role that sets none; default: read off each role's chat template."""
+    thinking: Thinking | None = None
+    """Reasoning markers [start, end] of `model`'s replies, for every role that sets none;
+    default: `<think>`/`</think>` when each role's chat template knows them."""
     model_name: str = "policy"
     """The model name the agent is told to use (the role); with `roles`, default: the first."""
     engine: EngineConfig = EngineConfig()
@@ -85,9 +94,14 @@ class ServingConfig(Command):
         (ValueError saying what is wrong: nothing to serve, a bad mapping, a missing dir)."""
         if not self.model and not self.roles:
             raise ValueError(f"{command} needs --model DIR (or --roles for several roles)")
-        specs = resolve_roles(self.roles or {self.model_name: RoleConfig()}, self.model)
+        roles = self.roles or {self.model_name: RoleConfig()}
+        specs = resolve_roles(roles, self.model, reply=self.reply_format())
         check_local_models(specs, bool(self.roles))
         return specs
+
+    def reply_format(self) -> ReplyFormat:
+        """How the gateway reads replies of roles that set no format of their own."""
+        return ReplyFormat(self.tool_parser, self.thinking)
 
     def top_model(self) -> str:
         """The model name the top agent is told (ValueError if no role serves it)."""

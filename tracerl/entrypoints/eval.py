@@ -30,9 +30,8 @@ def main(cfg: EvalCommand, console: Console) -> None:
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "config.json").write_text(cfg.model_dump_json(indent=2))
     store_path = run_dir / "traces.db"
-    stack = start_roles_stack(
-        specs, remote_roles(cfg.roles), store_path, cfg.engine, gateway=cfg.gateway
-    )
+    remote = remote_roles(cfg.roles, cfg.reply_format())
+    stack = start_roles_stack(specs, remote, store_path, cfg.engine, gateway=cfg.gateway)
     remember_store(store_path)
     with ThreadPoolExecutor(cfg.runner.concurrency) as threads:
         agent = load_agent(cfg.agent, threads)

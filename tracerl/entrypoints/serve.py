@@ -26,7 +26,8 @@ def main(cfg: ServeCommand, console: Console) -> None:
         Path(cfg.store).parent.mkdir(parents=True, exist_ok=True)
     models: dict[str, str | Path] = {p.name: p.model for p in specs}
     roles = {role: p.name for p in specs for role in p.roles}
-    remote = remote_roles(cfg.roles)
+    formats = {role: fmt for p in specs for role, fmt in p.formats.items()}
+    remote = remote_roles(cfg.roles, cfg.reply_format())
     stack = start_multi_stack(
         models,
         roles,
@@ -38,6 +39,7 @@ def main(cfg: ServeCommand, console: Console) -> None:
         keys,
         cfg.limits,
         gateway_cfg=cfg.gateway,
+        formats=formats,
     )
     console.print(f"gateway: {stack.url}/v1 · per rollout: {stack.url}/rollouts/<id>/v1")
     names = ", ".join(stack.gateway.names)

@@ -20,20 +20,15 @@ import asyncio
 import functools
 import time
 import uuid
-from collections import OrderedDict
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
 from tracerl.engines.base import EngineUnavailable, collect_stream, generate_routed
-from tracerl.gateway.chat import (
-    ChatRequest,
-    CompletionRequest,
-    Message,
-    canonical_reply,
-)
+from tracerl.gateway.chat import ChatRequest, CompletionRequest
 from tracerl.gateway.distill import StudentEncoder
 from tracerl.gateway.errors import GatewayError, invalid
+from tracerl.gateway.histories import Histories
 from tracerl.gateway.prompting import (
     chat_prompt,
     completion_ids,
@@ -43,9 +38,9 @@ from tracerl.gateway.prompting import (
 )
 from tracerl.gateway.record import Call, SpanRecorder
 from tracerl.gateway.remote import RemoteError, RemoteModel
-from tracerl.gateway.served import Choice, HistoryKey, Pending, Served, ServedModel, decode
+from tracerl.gateway.served import Choice, Pending, Served, ServedModel, decode
 from tracerl.gateway.sessions import Record, Sessions
-from tracerl.gateway.tito import History, Prompt, Turn
+from tracerl.gateway.tito import Prompt
 from tracerl.gateway.toolcalls import parse_reply
 from tracerl.gateway.toolcalls.enforce import constrained
 from tracerl.store import Store
@@ -88,7 +83,9 @@ class Gateway:
         self.remote = remote or {}
         """Roles answered by OpenAI-compatible URLs elsewhere (frozen, recorded as text)."""
         self._students = {
-            name: StudentEncoder(r.tokenizer) for name, r in self.remote.items() if r.tokenizer
+            name: StudentEncoder(r.tokenizer, r.reply)
+            for name, r in self.remote.items()
+            if r.tokenizer
         }
         """Remote roles whose calls are also recorded as a local tokenizer's ids."""
         clash = sorted(set(models) & set(self.remote))
@@ -112,11 +109,8 @@ class Gateway:
             else None
         )
         """Where unattributed calls are recorded; None: they are refused (record="rollouts")."""
-        # Token histories per rollout attempt, dropped when the attempt finishes here and
-        # bounded for those finished elsewhere (another gateway's store API, an expired
-        # lease): the least recently used go first. A forgotten history only costs a
-        # re-tokenization (recorded as a prefix break).
-        self._histories: OrderedDict[tuple[str, int], dict[HistoryKey, History]] = OrderedDict()
+        self.histories = Histories(memory)
+        """Each rollout attempt's token histories, reused by its next calls."""
         self.memory = memory
         """Rollout attempts whose token histories and call memory are kept."""
 
@@ -180,7 +174,7 @@ class Gateway:
         # A sub-agent of the same role as its parent (a planner calling a planner) has its
         # own conversation: keying by parent keeps the parent's token history intact.
         key = (rollout.id, rollout.attempt, role, parent_id) if rollout else None
-        prev = self._histories.get(key[:2], {}).get(key) if key else None
+        prev = self.histories.get(key) if key else None
         messages, tools, prompt = await self._tokenize(chat_prompt, served, req, prev)
         params = self._params(served, len(prompt.ids), req.token_limit(), req)
         params = await self._tokenize(constrained, served, req, tools, params)
@@ -216,7 +210,7 @@ class Gateway:
         span_id = p.span_id
         if p.rollout is not None:
             if p.key is not None:
-                self._remember(p.key, p.messages, p.tools, p.prompt, choices)
+                self.histories.remember(p.key, p.messages, p.tools, p.prompt, choices)
             role = p.served.name
             # What the engine's grammar allowed once complete, for re-scoring.
             engine = p.served.engine
@@ -249,7 +243,7 @@ class Gateway:
         tools = tool_dicts(req.tools)
         prompt = Prompt([])
         if student is not None and key is not None:
-            prev = self._histories.get(key[:2], {}).get(key)
+            prev = self.histories.get(key)
             prompt = await self._tokenize(student.prompts.build, messages, tools, prev)
         started = time.perf_counter()
         try:
@@ -265,7 +259,7 @@ class Gateway:
                 await self.recorder.record_text(rollout, call, body)
             else:
                 choices = await self._tokenize(student.choices, messages, tools, body)
-                self._remember(key, messages, tools, prompt, choices)
+                self.histories.remember(key, messages, tools, prompt, choices)
                 await self.recorder.record(rollout, call, choices)
         return {**body, "id": f"chatcmpl-{span_id}", "model": req.model}
 
@@ -367,40 +361,12 @@ class Gateway:
         finish = "tool_calls" if reply.tool_calls else gen.finish_reason
         return Choice(index, gen, text, reply, call_ids, finish)
 
-    def _remember(
-        self,
-        key: HistoryKey,
-        messages: list[Message],
-        tools: list[dict] | None,
-        prompt: Prompt,
-        choices: list[Choice],
-    ) -> None:
-        turns = [
-            Turn(
-                ids=prompt.ids + c.gen.completion_ids,
-                reply=canonical_reply(c.reply, c.call_ids),
-                end=_end(c.gen),
-            )
-            for c in choices
-        ]
-        attempt = self._histories.setdefault(key[:2], {})
-        attempt[key] = History(messages=messages, tools=tools, turns=turns)
-        self._histories.move_to_end(key[:2])
-        while len(self._histories) > self.memory:
-            self._histories.popitem(last=False)
-
     def finished(self, rollout: Rollout) -> None:
         """Drop what the gateway remembers of a finished attempt: no call of it follows."""
-        self._histories.pop((rollout.id, rollout.attempt), None)
+        self.histories.forget(rollout.id, rollout.attempt)
         self.recorder.forget(rollout.id, rollout.attempt)
 
 
 def _route(rollout: Rollout | None, role: str) -> str | None:
     """The routing key of a call: its rollout and role (None outside a rollout)."""
     return f"{rollout.id}/{role}" if rollout is not None else None
-
-
-def _end(gen: Generation) -> str:
-    if gen.stop_string:
-        return "stop_string"
-    return "eos" if gen.finish_reason == "stop" else "length"

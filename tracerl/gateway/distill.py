@@ -20,7 +20,8 @@ from transformers import AutoTokenizer
 from tracerl.gateway.chat import Message, normalize_message
 from tracerl.gateway.served import Choice, decode
 from tracerl.gateway.tito import PromptBuilder
-from tracerl.gateway.toolcalls import parse_reply, tool_format
+from tracerl.gateway.toolcalls import Reasoning, parse_reply, tool_format
+from tracerl.roles import ReplyFormat
 from tracerl.types import Generation
 
 __all__ = ["TEACHER_VERSION", "StudentEncoder"]
@@ -32,12 +33,15 @@ TEACHER_VERSION = -1
 class StudentEncoder:
     """Encodes a remote role's calls with a local model's tokenizer and chat template."""
 
-    def __init__(self, model_dir: str) -> None:
+    def __init__(self, model_dir: str, reply: ReplyFormat) -> None:
         self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
         self.prompts = PromptBuilder(self.tokenizer)
         """Builds the prompt ids, reusing the previous call's ids as a local model's are."""
-        self.format = tool_format(None, self.tokenizer.chat_template)
+        template = self.tokenizer.chat_template
+        self.format = tool_format(reply.tool_parser, template)
         """How the student writes tool calls (to read the encoded reply back)."""
+        self.reasoning = Reasoning(*reply.thinking) if reply.thinking else None
+        """The student's reasoning markers, when set (split off the encoded reply)."""
 
     def completion_ids(
         self, messages: list[Message], tools: list[dict] | None, reply: Message
@@ -70,7 +74,7 @@ class StudentEncoder:
                 policy_version=TEACHER_VERSION,
             )
             text = decode(self.tokenizer, [t for t in ids if t != self.prompts.eos_id], False)
-            parsed = parse_reply(text, tools, self.format)
+            parsed = parse_reply(text, tools, self.format, self.reasoning)
             call_ids = [f"call_{uuid.uuid4().hex[:16]}" for _ in parsed.tool_calls]
             finish = "tool_calls" if parsed.tool_calls else gen.finish_reason
             out.append(Choice(index, gen, text, parsed, call_ids, finish))

@@ -18,6 +18,8 @@ from typing import Any
 
 import httpx
 
+from tracerl.roles import ReplyFormat
+
 __all__ = ["RemoteError", "RemoteModel"]
 
 
@@ -45,6 +47,9 @@ class RemoteModel:
     tokenizer: str | None = None
     """A local model dir whose tokenizer and chat template also record the calls as token
     ids (a student's, for `tracerl sft --from-traces`); None records text only."""
+    reply: ReplyFormat = ReplyFormat()
+    """With `tokenizer`: how the encoded reply is read back (its tool-call format and
+    reasoning markers; unset parts read off that tokenizer's chat template)."""
     timeout_s: float = 120.0
     """Seconds to wait for one reply."""
     _client: httpx.AsyncClient | None = field(default=None, init=False, repr=False)

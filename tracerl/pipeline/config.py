@@ -16,7 +16,10 @@ from tracerl.engines.config import EngineConfig
 from tracerl.roles import (
     GatewayConfig,
     PolicySpec,
+    ReplyFormat,
     RoleConfig,
+    Thinking,
+    ToolParser,
     check_local_models,
     policy_specs,
     top_model,
@@ -134,6 +137,12 @@ class TrainConfig(BaseModel):
     roles: dict[str, RoleConfig] = Field(default_factory=dict)
     """Multi-agent runs: each role (a `model` name the agents ask for) and its policy;
     empty: one role, `model_name`, trained from `model`."""
+    tool_parser: ToolParser | None = None
+    """The tool-call format of `model`'s replies (hermes, qwen3_coder, llama3, mistral), for
+    every role that sets none; default: read off each role's chat template."""
+    thinking: Thinking | None = None
+    """Reasoning markers [start, end] of `model`'s replies, for every role that sets none;
+    default: `<think>`/`</think>` when each role's chat template knows them."""
     pipeline: PipelineConfig = PipelineConfig()
     """Scheduling."""
     algorithm: AlgorithmConfig = AlgorithmConfig()
@@ -192,7 +201,13 @@ class TrainConfig(BaseModel):
 
     def policies(self) -> list[PolicySpec]:
         """The run's policies resolved from `roles` (or the one `model_name` policy)."""
-        return policy_specs(self.roles, self.model_name, self.model, self.trainer.lora)
+        return policy_specs(
+            self.roles, self.model_name, self.model, self.trainer.lora, self.reply_format()
+        )
+
+    def reply_format(self) -> ReplyFormat:
+        """How the gateway reads replies of roles that set no format of their own."""
+        return ReplyFormat(self.tool_parser, self.thinking)
 
     def check(self) -> None:
         """Clear errors for missing essentials (they may come from a TOML file or flags)."""

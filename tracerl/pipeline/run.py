@@ -101,9 +101,11 @@ def start_roles_stack(
     `place` puts server engines' servers (tracerl.stack.make_engine)."""
     models: dict[str, str | Path] = {p.name: p.model for p in specs}
     roles = {role: p.name for p in specs for role in p.roles}
+    formats = {role: fmt for p in specs for role, fmt in p.formats.items()}
     return start_multi_stack(
-        models, roles, store_path, engine, host, port, remote, gateway_cfg=gateway, place=place
-    )
+        models, roles, store_path, engine, host, port, remote,
+        gateway_cfg=gateway, place=place, formats=formats,
+    )  # fmt: skip
 
 
 def split_tasks(cfg: TrainConfig) -> tuple[list[Task], list[Task]]:
@@ -229,8 +231,9 @@ def train(
 
             cluster = session.Cluster(cfg.cluster, cfg.name)
             exits.callback(cluster.close)  # last: after the stack stopped its engines' servers
+        remote = remote_roles(cfg.roles, cfg.reply_format())
         stack = start_roles_stack(
-            specs, remote_roles(cfg.roles), store, cfg.engine, cfg.cluster.gateway_host,
+            specs, remote, store, cfg.engine, cfg.cluster.gateway_host,
             gateway=cfg.gateway, place=cluster.engine_servers if cluster else None,
         )  # fmt: skip
         exits.callback(stack.close)
