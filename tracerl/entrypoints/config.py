@@ -204,6 +204,15 @@ class SftCommand(Command):
     """skill-then-habit: SFT steps of the habit stage."""
     habit_lr: float = Field(default=2e-4, gt=0)
     """skill-then-habit: peak learning rate of the habit stage."""
+    skill_target: float | None = Field(default=None, gt=0, le=1)
+    """Train until held-out exact match reaches this (the skill stage of skill-then-habit,
+    or the one SFT of plain); --steps becomes the cap. Exact match: the share of held-out
+    demos whose every assistant token is the model's top choice given the demo before it,
+    so greedy decoding copies every tool call and the final answer."""
+    holdout: float = Field(default=0.1, gt=0, lt=1)
+    """With --skill_target: share of the demos held out (chosen by --seed) to score it."""
+    eval_every: int = Field(default=50, ge=1)
+    """With --skill_target: steps between held-out checks."""
 
 
 class TracesShow(Command):

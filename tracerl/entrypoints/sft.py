@@ -36,22 +36,38 @@ def main(cfg: SftCommand, console: Console) -> None:
     examples = _examples(cfg)
     # The flags left unset keep SftConfig's defaults.
     given = cfg.model_dump(include={"steps", "stop_loss", "lr", "seed"}, exclude_none=True)
+    if cfg.skill_target is not None:
+        given |= {"target": cfg.skill_target, "holdout": cfg.holdout, "eval_every": cfg.eval_every}
     encoded = any(isinstance(e, EncodedDemo) for e in examples)
     if encoded and cfg.base is None:
         raise SystemExit("examples given as token ids need --base (the model that made them)")
     if cfg.recipe == "plain":
-        _print(console, sft_new_or_base(examples, cfg.out, cfg.base, SftConfig(**given)))
+        _print(console, "sft", sft_new_or_base(examples, cfg.out, cfg.base, SftConfig(**given)))
         return
     if encoded:
         raise SystemExit("skill-then-habit degrades conversations; token-id examples have none")
     demos = [e for e in examples if isinstance(e, Demo)]
     habit = HabitStage(rate=cfg.habit_rate, steps=cfg.habit_steps, lr=cfg.habit_lr)
-    for stage in skill_then_habit(demos, cfg.out, cfg.base, SftConfig(**given), habit):
-        _print(console, stage)
-
-
-def _print(console: Console, result: SftResult) -> None:
-    console.print(
-        f"saved {result.out_dir}: {result.steps} steps, final loss {result.final_loss:.3f}, "
-        f"{result.tokens_per_s:.0f} tok/s"
+    skill_then_habit(
+        demos, cfg.out, cfg.base, SftConfig(**given), habit, lambda s, r: _print(console, s, r)
     )
+
+
+def _print(console: Console, stage: str, result: SftResult) -> None:
+    console.print(
+        f"{stage}: saved {result.out_dir}: {result.steps} steps, final loss "
+        f"{result.final_loss:.3f}, {result.tokens_per_s:.0f} tok/s"
+    )
+    if result.held_out:
+        scores = ", ".join(f"{c.exact_match:.3f} at {c.step}" for c in result.held_out)
+        console.print(f"{stage}: held-out exact match {scores}")
+    if result.target_reached:
+        console.print(f"{stage}: reached the target {result.target:g} in {result.steps} steps")
+    elif result.target_reached is False:
+        best = max(c.exact_match for c in result.held_out)
+        then = "; going on to the habit stage" if stage == "skill" else ""
+        console.print(
+            f"[yellow]warning: {stage}: the {result.steps}-step cap came before the held-out "
+            f"target {result.target:g} (best exact match {best:.3f}){then}[/yellow]",
+            highlight=False,
+        )

@@ -3,7 +3,9 @@
 `skill-then-habit` is how tracerl's benchmarks build a weak start that RL can fix, for any
 tool-using task (docs/recipes.md says why a start made weak by undertraining is a poor one):
 
-1. skill: SFT on the clean demonstrations, so the model knows the task end to end;
+1. skill: SFT on the clean demonstrations, so the model knows the task end to end (for a
+   fixed number of steps, or with `SftConfig.target` until that share of held-out
+   demonstrations is copied exactly);
 2. habit: a short, gentle SFT from the skilled model on a mixture where `habit_rate` of the
    demonstrations are degraded copies that `degrade` makes itself.
 
@@ -19,6 +21,7 @@ from __future__ import annotations
 
 import random
 import string
+from collections.abc import Callable
 from pathlib import Path
 from typing import Literal
 
@@ -75,14 +78,26 @@ def degrade(demo: Demo, rng: random.Random) -> Demo:
     return Demo(messages=[*messages[:first], answer], tools=demo.tools)
 
 
+def _ignore(stage: str, result: SftResult) -> None:
+    pass
+
+
 def skill_then_habit(
     demos: list[Demo], out_dir: str | Path, base_dir: str | Path | None, skill: SftConfig,
-    habit: HabitStage,
+    habit: HabitStage, on_stage: Callable[[str, SftResult], None] = _ignore,
 ) -> tuple[SftResult, SftResult]:  # fmt: skip
-    """Stage one into <out_dir>-skill, stage two from it into `out_dir`."""
+    """Stage one into <out_dir>-skill, stage two from it into `out_dir`; `on_stage` hears
+    of each ("skill", then "habit") as it ends. The habit stage mixes all `demos`, held-out
+    ones included: only the skill stage is scored."""
     out = Path(out_dir)
     skilled = sft_new_or_base(demos, out.with_name(out.name + "-skill"), base_dir, skill)
+    on_stage("skill", skilled)
     rng = random.Random(skill.seed + 1)
     mixed = [degrade(d, rng) if rng.random() < habit.rate else d for d in demos]
-    cfg = skill.model_copy(update={"steps": habit.steps, "lr": habit.lr, "stop_loss": None})
-    return skilled, sft(skilled.out_dir, mixed, out, cfg)
+    cfg = skill.model_copy(
+        update={"steps": habit.steps, "lr": habit.lr, "stop_loss": None, "holdout": 0.0,
+                "target": None}
+    )  # fmt: skip
+    habituated = sft(skilled.out_dir, mixed, out, cfg)
+    on_stage("habit", habituated)
+    return skilled, habituated

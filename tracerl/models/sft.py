@@ -8,6 +8,9 @@ would hand the trainer. Works for any local HF model dir whose template is prefi
 
 Examples that already are ids (`EncodedDemo`: recorded traces, ADP with its token ids)
 skip rendering and are trained on as they are (`tracerl sft --from-traces`).
+
+With `holdout` a seeded share of the examples is kept out of training and scored every
+`eval_every` steps by `exact_match`; with `target` training stops once that score reaches it.
 """
 
 from __future__ import annotations
@@ -37,14 +40,17 @@ from tracerl.models.tiny import TinyModelConfig, build_tiny_model
 __all__ = [
     "Demo",
     "EncodedDemo",
+    "HeldOutCheck",
     "SftConfig",
     "SftResult",
     "collate",
     "encode_demo",
+    "exact_match",
     "load_demos",
     "mean_loss",
     "sft",
     "sft_new_or_base",
+    "split_holdout",
 ]
 
 
@@ -73,11 +79,19 @@ class EncodedDemo(_Record):
 class SftConfig(_Record):
     """How to fine-tune."""
 
-    steps: int = 1000
+    steps: int = Field(default=1000, ge=1)
     """Optimizer steps at most; the learning-rate schedule spans this many."""
     stop_loss: float | None = None
     """Stop once the mean loss of the last log_every steps is below this; None trains
     all `steps`."""
+    holdout: float = Field(default=0.0, ge=0.0, lt=1.0)
+    """Share of the examples kept out of training (chosen with `seed`) and scored by
+    `exact_match` every eval_every steps and at the end; 0 holds none out."""
+    target: float | None = Field(default=None, gt=0.0, le=1.0)
+    """Stop at the first check whose held-out exact match is at least this (needs a
+    holdout); `steps` is then the cap. None trains all `steps`."""
+    eval_every: int = Field(default=50, ge=1)
+    """Steps between held-out checks."""
     batch_size: int = 16
     """Conversations per step."""
     lr: float = 2e-3
@@ -101,6 +115,15 @@ class SftConfig(_Record):
     """Show a tqdm progress bar."""
 
 
+class HeldOutCheck(_Record):
+    """One score of the held-out examples during training."""
+
+    step: int
+    """Optimizer steps taken when scored."""
+    exact_match: float
+    """Share of the held-out examples copied exactly (`exact_match`)."""
+
+
 class SftResult(_Record):
     """What one fine-tuning run did."""
 
@@ -109,15 +132,22 @@ class SftResult(_Record):
     steps: int
     """Optimizer steps taken."""
     stopped_early: bool
-    """Whether stop_loss ended training before cfg.steps."""
+    """Whether stop_loss or target ended training before cfg.steps."""
     final_loss: float
     """Mean loss per assistant token over the last log_every steps."""
     losses: list[float]
     """Loss of every step, in order."""
     wall_s: float
-    """Wall time of the training loop (loading and saving excluded)."""
+    """Wall time of the training loop, held-out checks included (loading and saving
+    excluded)."""
     tokens_per_s: float
-    """Non-padding tokens processed per second in the training loop."""
+    """Non-padding tokens trained on per second (held-out checks excluded)."""
+    held_out: list[HeldOutCheck] = Field(default_factory=list)
+    """Held-out exact match at each check, in order; empty without a holdout."""
+    target: float | None = None
+    """cfg.target: the held-out exact match that was to end training; None without one."""
+    target_reached: bool | None = None
+    """Whether a check reached `target` before the step cap; None without a target."""
 
 
 def load_demos(path: str | Path) -> list[Demo]:
@@ -267,41 +297,111 @@ def mean_loss(model_dir: str | Path, demos: Sequence[Demo | EncodedDemo], max_le
     return total / max(count, 1)
 
 
+def split_holdout(examples: Sequence, share: float, seed: int) -> tuple[list, list]:
+    """(train, held_out): `share` of the examples, at least one and never all, chosen at
+    random with `seed`; both keep the examples' order. A share of 0 holds none out."""
+    if share <= 0:
+        return list(examples), []
+    if len(examples) < 2:
+        raise ValueError("holding examples out needs at least two of them")
+    n_held = min(len(examples) - 1, max(1, round(share * len(examples))))
+    held = set(random.Random(seed).sample(range(len(examples)), n_held))
+    train = [e for i, e in enumerate(examples) if i not in held]
+    return train, [e for i, e in enumerate(examples) if i in held]
+
+
+@torch.no_grad()
+def exact_match(
+    model: torch.nn.Module,
+    encoded: Sequence[EncodedDemo],
+    pad_id: int,
+    max_len: int,
+    batch_size: int = 64,
+) -> float:
+    """Share of `encoded` whose every loss-mask token is the model's argmax given the ids
+    before it (teacher forcing, fp32).
+
+    An example scores 1 exactly when greedy decoding, fed the example's own non-assistant
+    turns (tool results, user turns), would write its assistant turns token for token: every
+    tool call and the final answer copied. Ids past `max_len` are not scored; an example
+    with nothing masked scores 1. One forward pass per `batch_size` examples."""
+    if not encoded:
+        raise ValueError("no examples to score")
+    was_training = model.training
+    model.eval()
+    copied = 0
+    for i in range(0, len(encoded), batch_size):
+        ids_BT, attn_BT, labels_BT = collate(list(encoded[i : i + batch_size]), pad_id, max_len)
+        logits_BTV = model(input_ids=ids_BT, attention_mask=attn_BT).logits
+        # Position t predicts token t+1; only masked targets must match.
+        wrong_BT = (logits_BTV[:, :-1].argmax(-1) != ids_BT[:, 1:]) & (labels_BT[:, 1:] != -100)
+        copied += int((~wrong_BT.any(dim=1)).sum())
+    model.train(was_training)
+    return copied / len(encoded)
+
+
+def _step(
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    schedule: torch.optim.lr_scheduler.LRScheduler,
+    batch: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+    cfg: SftConfig,
+) -> float:
+    """One optimizer step on a collated batch; its loss."""
+    ids_BT, attn_BT, labels_BT = batch
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=cfg.bf16):
+        loss = model(input_ids=ids_BT, attention_mask=attn_BT, labels=labels_BT).loss
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
+    optimizer.step()
+    schedule.step()
+    optimizer.zero_grad(set_to_none=True)
+    return loss.item()
+
+
 def sft(
     base_dir: str | Path,
     demos: Sequence[Demo | EncodedDemo],
     out_dir: str | Path,
     cfg: SftConfig | None = None,
 ) -> SftResult:
-    """Fine-tune the HF model in `base_dir` on `demos` and save model + tokenizer to `out_dir`."""
+    """Fine-tune the HF model in `base_dir` on `demos` and save model + tokenizer to `out_dir`
+    (with cfg.holdout, on the demos it does not hold out)."""
     cfg = cfg or SftConfig()
     if not demos:
         raise ValueError("no demonstrations")
+    if cfg.target is not None and cfg.holdout <= 0:
+        raise ValueError("a held-out target needs a holdout share above 0")
     tokenizer = AutoTokenizer.from_pretrained(base_dir)
     model = AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32)
     pad_id = _pad_id(tokenizer)
-    encoded = _encoded(tokenizer, demos)
+    encoded, held = split_holdout(_encoded(tokenizer, demos), cfg.holdout, cfg.seed)
     optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
     schedule = get_cosine_schedule_with_warmup(optimizer, cfg.warmup, cfg.steps)
     model.train()
     losses: list[float] = []
-    tokens = 0
+    checks: list[HeldOutCheck] = []
+    tokens, check_s = 0, 0.0
+    postfix: dict[str, str] = {}
     start = time.perf_counter()
     bar = tqdm(_order(len(encoded), cfg.steps, cfg.batch_size, cfg.seed), disable=not cfg.progress)
-    for step, indices in enumerate(bar):
-        ids_BT, attn_BT, labels_BT = collate([encoded[i] for i in indices], pad_id, cfg.max_len)
-        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=cfg.bf16):
-            loss = model(input_ids=ids_BT, attention_mask=attn_BT, labels=labels_BT).loss
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
-        optimizer.step()
-        schedule.step()
-        optimizer.zero_grad(set_to_none=True)
-        losses.append(loss.item())
-        tokens += int(attn_BT.sum())
+    for step, indices in enumerate(bar, start=1):
+        batch = collate([encoded[i] for i in indices], pad_id, cfg.max_len)
+        losses.append(_step(model, optimizer, schedule, batch, cfg))
+        tokens += int(batch[1].sum())
         recent = sum(losses[-cfg.log_every :]) / cfg.log_every
-        if (step + 1) % cfg.log_every == 0:
-            bar.set_postfix(loss=f"{recent:.3f}")
+        if step % cfg.log_every == 0:
+            postfix["loss"] = f"{recent:.3f}"
+        score = None
+        if held and (step % cfg.eval_every == 0 or step == cfg.steps):
+            t0 = time.perf_counter()
+            score = exact_match(model, held, pad_id, cfg.max_len)
+            check_s += time.perf_counter() - t0
+            checks.append(HeldOutCheck(step=step, exact_match=score))
+            postfix["held_out"] = f"{score:.3f}"
+        bar.set_postfix(postfix, refresh=False)
+        if cfg.target is not None and score is not None and score >= cfg.target:
+            break
         if cfg.stop_loss is not None and len(losses) >= cfg.log_every and recent < cfg.stop_loss:
             break
     wall_s = time.perf_counter() - start
@@ -318,8 +418,17 @@ def sft(
         final_loss=sum(tail) / len(tail) if tail else math.nan,
         losses=losses,
         wall_s=wall_s,
-        tokens_per_s=tokens / wall_s if wall_s > 0 else 0.0,
+        tokens_per_s=tokens / (wall_s - check_s) if wall_s > check_s else 0.0,
+        held_out=checks,
+        target=cfg.target,
+        target_reached=_reached(checks, cfg.target),
     )
+
+
+def _reached(checks: list[HeldOutCheck], target: float | None) -> bool | None:
+    if target is None:
+        return None
+    return any(c.exact_match >= target for c in checks)
 
 
 def sft_new_or_base(

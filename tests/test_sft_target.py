@@ -1,0 +1,96 @@
+"""SFT to a held-out target: the exact-match score, the holdout split, stopping at the target
+and `tracerl sft --skill_target` saying when the cap came first."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from rich.console import Console
+from transformers import AutoModelForCausalLM
+
+from tracerl.entrypoints.config import SftCommand
+from tracerl.entrypoints.sft import main as sft_main
+from tracerl.models import Demo, SftConfig, build_tiny_model, render_chat, sft
+from tracerl.models.sft import EncodedDemo, exact_match, split_holdout
+
+COLORS = {"sky": "blue", "grass": "green", "snow": "white", "coal": "black"}
+# Learnable in a few dozen steps: the answer depends on the question, from a small table.
+DEMOS = [
+    Demo(messages=[{"role": "user", "content": f"Color of {thing}?"},
+                   {"role": "assistant", "content": color}])
+    for _ in range(10) for thing, color in COLORS.items()
+]  # fmt: skip
+FAST = SftConfig(steps=30, batch_size=8, lr=3e-3, warmup=2, eval_every=5, progress=False)
+
+
+@pytest.fixture(scope="module")
+def base_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    texts = [render_chat(d.messages, d.tools) for d in DEMOS]
+    return build_tiny_model(tmp_path_factory.mktemp("base"), texts)
+
+
+@torch.no_grad()
+def test_exact_match_of_a_hand_built_case(base_dir: Path) -> None:
+    model = AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32).eval()
+    ids = [5, 17, 42, 9]
+    for _ in range(4):  # the greedy continuation: what teacher forcing must find
+        ids.append(int(model(input_ids=torch.tensor([ids])).logits[0, -1].argmax()))
+    wrong = [*ids[:-1], (ids[-1] + 1) % model.config.vocab_size]
+    mask = [False] * 4 + [True] * 4
+    cases = [
+        EncodedDemo(input_ids=ids, loss_mask=mask),  # copied: 1
+        EncodedDemo(input_ids=wrong, loss_mask=mask),  # last assistant token differs: 0
+        EncodedDemo(input_ids=wrong, loss_mask=[*mask[:-1], False]),  # differs off the mask: 1
+        EncodedDemo(input_ids=ids[:6], loss_mask=mask[:6]),  # shorter, padded in the batch: 1
+    ]
+    assert exact_match(model, cases, pad_id=0, max_len=64) == 0.75
+    assert exact_match(model, cases, pad_id=0, max_len=64, batch_size=1) == 0.75
+    assert exact_match(model, cases[1:2], pad_id=0, max_len=7) == 1.0  # the wrong id cut off
+
+
+def test_holdout_split_is_seeded_disjoint_and_never_empty() -> None:
+    train, held = split_holdout(list(range(40)), 0.1, seed=3)
+    assert len(held) == 4 and sorted(train + held) == list(range(40))
+    assert split_holdout(list(range(40)), 0.1, seed=3) == (train, held)
+    assert len(split_holdout([1, 2], 0.01, seed=0)[1]) == 1
+    assert len(split_holdout([1, 2], 0.99, seed=0)[0]) == 1
+    assert split_holdout([1, 2], 0.0, seed=0) == ([1, 2], [])
+
+
+def test_a_model_trained_longer_copies_more_held_out_demos(base_dir: Path, tmp_path: Path) -> None:
+    cfg = FAST.model_copy(update={"holdout": 0.2})
+    result = sft(base_dir, DEMOS, tmp_path / "out", cfg)
+    checks = result.held_out
+    assert [c.step for c in checks] == [5, 10, 15, 20, 25, 30]
+    assert result.target_reached is None and not result.stopped_early
+    assert checks[0].exact_match < 0.5 < checks[-1].exact_match
+
+
+def test_sft_stops_at_the_first_check_reaching_the_target(base_dir: Path, tmp_path: Path) -> None:
+    cfg = FAST.model_copy(update={"steps": 200, "holdout": 0.2, "target": 0.5})
+    result = sft(base_dir, DEMOS, tmp_path / "out", cfg)
+    assert result.target_reached and result.stopped_early and result.steps < 200
+    assert result.held_out[-1].step == result.steps and result.steps % 5 == 0
+    assert result.held_out[-1].exact_match >= 0.5
+    assert all(c.exact_match < 0.5 for c in result.held_out[:-1])
+    with pytest.raises(ValueError, match="holdout"):
+        sft(base_dir, DEMOS, tmp_path / "bad", FAST.model_copy(update={"target": 0.5}))
+
+
+def test_cli_warns_when_the_cap_comes_before_the_target(base_dir: Path, tmp_path: Path) -> None:
+    demos = tmp_path / "demos.jsonl"
+    demos.write_text("".join(json.dumps(d.model_dump()) + "\n" for d in DEMOS))
+    out = tmp_path / "weak"
+    cfg = SftCommand(demos=str(demos), base=str(base_dir), out=str(out), steps=3,
+                     recipe="skill-then-habit", habit_steps=2, skill_target=1.0, eval_every=2)  # fmt: skip
+    console = Console(width=300, record=True)
+    sft_main(cfg, console)
+    text = console.export_text()
+    assert "skill: held-out exact match 0.000 at 2, 0.000 at 3" in text
+    assert "warning: skill: the 3-step cap came before the held-out target 1" in text
+    assert "going on to the habit stage" in text
+    assert f"habit: saved {out}: 2 steps" in text
+    assert (out / "config.json").exists() and (tmp_path / "weak-skill" / "config.json").exists()
