@@ -2,9 +2,9 @@
 default config (the same for every family), held-out success before -> after.
 
 For each family (tracerl/examples/{lookup,textgame,extract,shop}) and seed: the family's
-scripted expert writes demonstrations; `tracerl sft --recipe skill-then-habit` builds a
-weak tiny model from them (the skill, then a habit of skipping the tools; cached under
-$TRACERL_HOME/models/); then `train(TrainConfig(...))` with only the run's name, model,
+scripted expert writes demonstrations; `tracerl sft --recipe skill-then-habit
+--skill_target 0.9` builds a weak tiny model from them (the skill to 0.9 held-out exact
+match, then a habit of skipping the tools; cached under $TRACERL_HOME/models/); then `train(TrainConfig(...))` with only the run's name, model,
 agent, reward and tasks given. Prints a line per run, then one JSON line:
 {"families": {name: {"before": [...], "after": [...], "last": [...], "gain": mean}},
  "min_gain", "mean_gain" (points, over families' mean gains), "worst_final_drop" (points:
@@ -44,9 +44,12 @@ def weak_model(family: str, seed: int) -> Path:
         return out
     raw = example_module(family, "expert").demonstrations(DEMOS, seed=1000 + seed)
     demos = [Demo.model_validate(d) for d in raw]
-    skill, habit = skill_then_habit(demos, out, None, SftConfig(seed=seed), HabitStage())
+    # The README's recipe: the skill to 0.9 held-out exact match (at most 1,000 steps).
+    skill_cfg = SftConfig(seed=seed, holdout=0.1, target=0.9)
+    skill, habit = skill_then_habit(demos, out, None, skill_cfg, HabitStage())
     print(
-        f"{family} seed {seed}: skill loss {skill.final_loss:.3f}, habit loss {habit.final_loss:.3f}"
+        f"{family} seed {seed}: skill {skill.steps} steps (held-out exact match {skill.held_out[-1].exact_match:.3f}), "
+        f"loss {skill.final_loss:.3f}; habit loss {habit.final_loss:.3f}"
     )
     return out
 
@@ -62,7 +65,7 @@ def task_file(family: str, runs: Path) -> Path:
 
 def run_one(family: str, seed: int, runs: Path, steps: int | None) -> dict:
     """One default-config run; its before, exported and last held-out success."""
-    data = {
+    data: dict[str, object] = {
         "name": f"{family}-seed{seed}", "runs": str(runs), "model": str(weak_model(family, seed)),
         "agent": f"{example_file(family, 'agent')}:run",
         "reward": f"{example_file(family, 'reward')}:reward",
