@@ -28,7 +28,22 @@ Measures
   halves. Repeated with float64 weights (`*_fp64`).
 The last line printed is one JSON object (PrefixReport).
 
+--recorded: the rows are recorded, not built. A gateway stack (tracerl.stack, in-process
+hf engine) serves the long-context test model (tracerl.models.longctx: 32k positions, an
+8k-token vocabulary); smolagents' ToolCallingAgent, unchanged, with its own system prompt
+(instructions and four workspace tools' descriptions: ~1,450 tokens with the task in this
+tokenizer), plays `group_size` rollouts of each of `groups` tasks through tracerl's runner,
+at temperature 1, `max_tokens` per call, `max_steps` steps (then smolagents' own
+final-answer call). The spans in the store become rows as a training step makes them
+(`rows_for`, GRPO; rewards 0/1 alternating in finishing order, so every group's advantages
+are nonzero), behaviour log-probs as recorded. A rollout gives one row per run of calls
+that extend each other: the calls after a truncated tool call and the final-answer call
+(a system prompt of its own) start new rows. The same measures then run on the
+long-context model; `prefix_tokens` is the longest prefix two rows of a group share (the
+least over groups): the framework's system prompt and the task.
+
     .venv/bin/python bench/prefix_tree.py [--groups 2 --group-size 8 --reps 3 --threads 2]
+    .venv/bin/python bench/prefix_tree.py --recorded [--max-tokens 96 --max-steps 2]
 
 Runs with OMP_WAIT_POLICY=PASSIVE unless the caller sets it (see `tracerl.ensure_passive_omp`).
 """
@@ -36,11 +51,16 @@ Runs with OMP_WAIT_POLICY=PASSIVE unless the caller sets it (see `tracerl.ensure
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
 import os
 import random
 import statistics
 import tempfile
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import torch
@@ -49,12 +69,18 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 from transformers.utils import logging as hf_logging
 
 from tracerl import ensure_passive_omp
+from tracerl.agents import python_agent
 from tracerl.algorithms import GRPO, compute_advantages
+from tracerl.algorithms.rows import rows_for
 from tracerl.models import TinyModelConfig, build_tiny_model, format_tool_call, render_chat
+from tracerl.models.longctx import ensure_long_context_model
+from tracerl.pipeline.sources import issue_group, read_finished
+from tracerl.runner import Runner, RunnerConfig
+from tracerl.stack import start_stack
 from tracerl.trainer.gradients import forward_logprobs, loss_and_grads
 from tracerl.trainer.packing import pack
 from tracerl.trainer.trainer import Trainer, TrainerConfig
-from tracerl.types import Transition
+from tracerl.types import Group, Task, Transition
 
 WORDS = [
     *("file", "path", "query", "result", "user", "repository", "branch", "commit", "issue"),
@@ -83,7 +109,14 @@ class PrefixConfig(BaseModel):
     device: str = "cpu"
     """Where the model trains ('cuda' on a GPU machine)."""
     seed: int = 0
-    """Seed of tools, tasks, branches and noise."""
+    """Seed of tools, tasks, branches and noise, and of the halves' shuffle."""
+    recorded: bool = False
+    """Rows recorded from a real framework agent through the gateway (see the docstring),
+    not built synthetically."""
+    max_tokens: int = 96
+    """Recorded: sampled tokens per model call at most."""
+    max_steps: int = 2
+    """Recorded: the agent's step cap (smolagents adds a final-answer call after it)."""
 
 
 class PrefixReport(BaseModel):
@@ -119,9 +152,11 @@ class PrefixReport(BaseModel):
     tokens_on: int
     """Tokens forwarded with the shared prefix."""
     prefix_tokens: int
-    """Tokens of the system prompt + tools (before the task)."""
+    """Tokens of the system prompt + tools (before the task); recorded: the longest prefix two
+    rows of a group share (the least over groups)."""
     mean_branch_tokens: float
-    """Mean tokens of a rollout after its group's prompt."""
+    """Mean tokens of a rollout after its group's prompt (recorded: of a row after the
+    tokens it shares)."""
     step_s_off: float
     """Median Trainer.train wall time, prefix sharing off."""
     step_s_on: float
@@ -138,6 +173,16 @@ class PrefixReport(BaseModel):
     """torch threads."""
     load_avg_1m: float
     """1-minute load average at the end (the machine is shared: > threads means noise)."""
+    mode: str = "synthetic"
+    """"synthetic" (rows built here) or "recorded" (rows from an agent's recorded spans)."""
+    framework: str = ""
+    """Recorded: the agent framework whose rollouts were recorded."""
+    rollouts: int = 0
+    """Recorded: rollouts with an outcome (each gives one or more rows)."""
+    calls_per_rollout: float = 0.0
+    """Recorded: model calls per rollout."""
+    wall_s_record: float = 0.0
+    """Recorded: wall time of playing the rollouts."""
 
 
 # ---------------------------------------------------------------- rows
@@ -239,6 +284,133 @@ def with_behaviour(model: PreTrainedModel, rows: list[Transition], seed: int) ->
     return out
 
 
+# ---------------------------------------------------------------- recorded rows
+
+TASKS = [
+    "Read src/app.py and summarise what it does.",
+    "Find where the command-line parser is defined and list its options.",
+    "Run the tests of the parser and report which ones fail.",
+    "Search the repository for TODO comments and list the files holding them.",
+]
+
+
+def smolagents_agent(p: PrefixConfig) -> Callable[..., str]:
+    """A tracerl agent function running smolagents' ToolCallingAgent, unchanged, against
+    `base_url` (which carries the rollout), with four workspace tools."""
+    from smolagents import OpenAIServerModel, ToolCallingAgent, tool
+
+    @tool
+    def read_file(path: str) -> str:
+        """Read a file of the workspace and return its text.
+
+        Args:
+            path: The file's path, relative to the workspace root.
+        """
+        return "def main():\n    return 0\n"
+
+    @tool
+    def list_directory(path: str, recursive: bool) -> str:
+        """List the files and folders under a directory of the workspace.
+
+        Args:
+            path: The directory's path, relative to the workspace root.
+            recursive: Whether to list sub-directories' contents too.
+        """
+        return "src/app.py\nsrc/cli.py\ntests/test_parser.py\n"
+
+    @tool
+    def search_code(pattern: str, path: str) -> str:
+        """Search the workspace's files for a regular expression; returns matching lines.
+
+        Args:
+            pattern: The regular expression to look for.
+            path: The directory to search in, relative to the workspace root.
+        """
+        return "src/cli.py:12: parser = argparse.ArgumentParser()\n"
+
+    @tool
+    def run_tests(path: str, timeout: int) -> str:
+        """Run the test suite (or one test file) and return its summary line.
+
+        Args:
+            path: A test file or directory, relative to the workspace root.
+            timeout: Seconds the run may take.
+        """
+        return "3 passed, 1 failed in 0.4s"
+
+    tools = [read_file, list_directory, search_code, run_tests]
+
+    def run(task_input: dict, *, base_url: str, api_key: str, model: str) -> str:
+        llm = OpenAIServerModel(
+            model_id=model, api_base=base_url, api_key=api_key,
+            client_kwargs={"max_retries": 0}, max_tokens=p.max_tokens, temperature=1.0,
+        )  # fmt: skip
+        agent = ToolCallingAgent(tools=tools, model=llm, max_steps=p.max_steps, verbosity_level=-1)
+        return str(agent.run(str(task_input["prompt"])))
+
+    return run
+
+
+def record_rows(p: PrefixConfig, out_dir: Path) -> tuple[Path, list[Transition], dict]:
+    """The long-context model and rows made, as a training step makes them, from
+    `group_size` recorded smolagents rollouts of each of `groups` tasks."""
+    model_dir = ensure_long_context_model()
+    finished: dict[str, int] = {}
+    lock = threading.Lock()
+
+    def reward(task: dict, answer: str) -> float:
+        """1 for every other rollout of a task to finish: each group holds both rewards, so
+        GRPO's advantages are nonzero (the answer is not judged)."""
+        with lock:
+            k = finished[task["id"]] = finished.get(task["id"], -1) + 1
+        return float(k % 2)
+
+    stack = start_stack(model_dir, out_dir / "traces.db")
+    threads = ThreadPoolExecutor(p.group_size * p.groups)
+    started = time.perf_counter()
+    try:
+        tasks = [Task(id=f"t{g}", input={"prompt": TASKS[g % len(TASKS)]}) for g in range(p.groups)]
+        for task in tasks:
+            issue_group(stack.store, f"g-{task.id}", task, p.group_size, max_attempts=1)
+        agent = python_agent(smolagents_agent(p), threads)
+        cfg = RunnerConfig(concurrency=p.group_size * p.groups, timeout_s=600)
+        asyncio.run(Runner(stack.store, stack.url, agent, reward, cfg).run(until_idle=True))
+        groups = [
+            Group(id=f"g-{t.id}", task=t, rollouts=[
+                read_finished(stack.store, r) for r in stack.store.rollouts(group_id=f"g-{t.id}")
+            ]) for t in tasks
+        ]  # fmt: skip
+    finally:
+        wall = time.perf_counter() - started
+        threads.shutdown()
+        stack.close()
+    done = [f for g in groups for f in g.with_outcome()]
+    info = {
+        "framework": "smolagents.ToolCallingAgent",
+        "rollouts": len(done),
+        "calls_per_rollout": sum(len(f.spans) for f in done) / max(len(done), 1),
+        "wall_s_record": wall,
+    }
+    return model_dir, rows_for(groups, GRPO()), info
+
+
+def shared_prefixes(rows: list[Transition]) -> list[int]:
+    """Per row: the most tokens it starts with in common with another row of its group (what
+    a tree can forward once for it). Not one prefix per group: a framework's later calls
+    (smolagents' final-answer call has a system prompt of its own) start other trees."""
+    out = []
+    for r in rows:
+        mates = [o.input_ids for o in rows if o.group_id == r.group_id and o is not r]
+        out.append(max((_common(r.input_ids, o) for o in mates), default=0))
+    return out
+
+
+def _common(a: list[int], b: list[int]) -> int:
+    return next(
+        (k for k, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b))
+    )
+
+
 # ---------------------------------------------------------------- measures
 
 
@@ -280,47 +452,75 @@ def timed_steps(model_dir: Path, rows: list[Transition], cfg: TrainerConfig, p: 
     return statistics.median(off), statistics.median(on), ratio
 
 
+def measure(p: PrefixConfig, model: PreTrainedModel, model_dir: Path, rows: list[Transition]):
+    """Every measure of the report on these rows, prefix sharing off against on."""
+    cfg = TrainerConfig(bf16=False, micro_batch_tokens=p.micro_batch_tokens)
+    tree = cfg.model_copy(update={"prefix_sharing": True})
+    d = diffs(model, rows, cfg, tree)
+    order = random.Random(p.seed).sample(range(len(rows)), len(rows))
+    halves = [[rows[i] for i in order[k::2]] for k in (0, 1)]
+    dh = [diffs(model, h, cfg, tree) for h in halves]
+    half = cfg.model_copy(update={"micro_batch_tokens": p.micro_batch_tokens // 2})
+    rebatched = diffs(model, rows, cfg, half)["max_rel_loss_diff"]
+    fp64 = diffs(model.double(), rows, cfg, tree)
+    s_off, s_on, ratio = timed_steps(model_dir, rows, cfg, p)
+    whole = d.pop("max_rel_loss_diff"), d.pop("max_rel_grad_diff"), d.pop("loss")
+    return {
+        "token_ratio": d["tokens_off"] / d["tokens_on"],
+        "step_time_ratio": ratio,
+        "max_rel_loss_diff": max(x["max_rel_loss_diff"] for x in dh),
+        "max_rel_grad_diff": max(whole[1], *(x["max_rel_grad_diff"] for x in dh)),
+        "rel_loss_diff_full_batch": whole[0],
+        "loss_full_batch": whole[2],
+        "loss_halves": [x["loss"] for x in dh],
+        **d,
+        "rel_loss_diff_fp64": fp64["max_rel_loss_diff"],
+        "max_rel_grad_diff_fp64": fp64["max_rel_grad_diff"],
+        "rel_loss_diff_plain_rebatched": rebatched,
+        "step_s_off": s_off,
+        "step_s_on": s_on,
+    }
+
+
 def run(p: PrefixConfig) -> PrefixReport:
     torch.set_num_threads(p.threads)
     hf_logging.set_verbosity_error()
     with tempfile.TemporaryDirectory() as tmp:
-        model_dir, rows, prefix_tokens = build_rows(p, Path(tmp))
-        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-        model.to(p.device).train()  # type: ignore[arg-type]
-        rows = with_behaviour(model, rows, p.seed)
-        cfg = TrainerConfig(bf16=False, micro_batch_tokens=p.micro_batch_tokens)
-        tree = cfg.model_copy(update={"prefix_sharing": True})
-        d = diffs(model, rows, cfg, tree)
-        order = random.Random(p.seed).sample(range(len(rows)), len(rows))
-        halves = [[rows[i] for i in order[k::2]] for k in (0, 1)]
-        dh = [diffs(model, h, cfg, tree) for h in halves]
-        half = cfg.model_copy(update={"micro_batch_tokens": p.micro_batch_tokens // 2})
-        rebatched = diffs(model, rows, cfg, half)["max_rel_loss_diff"]
-        fp64 = diffs(model.double(), rows, cfg, tree)
-        s_off, s_on, ratio = timed_steps(model_dir, rows, cfg, p)
-    prompt = min(len(r.input_ids) - _branch_len(r) for r in rows)
-    whole = d.pop("max_rel_loss_diff"), d.pop("max_rel_grad_diff"), d.pop("loss")
+        if p.recorded:
+            model_dir, rows, about = record_rows(p, Path(tmp))
+            model = _trainable(model_dir, p.device)
+            shared = shared_prefixes(rows)
+            prefix_tokens = min(
+                max(k for r, k in zip(rows, shared, strict=True) if r.group_id == g)
+                for g in {r.group_id for r in rows}
+            )
+            branch = statistics.mean(
+                len(r.input_ids) - k for r, k in zip(rows, shared, strict=True)
+            )
+            about["mode"] = "recorded"
+        else:
+            model_dir, rows, prefix_tokens = build_rows(p, Path(tmp))
+            model = _trainable(model_dir, p.device)
+            rows = with_behaviour(model, rows, p.seed)
+            prompt = min(len(r.input_ids) - _branch_len(r) for r in rows)
+            branch = statistics.mean(len(r.input_ids) - prompt for r in rows)
+            about = {}
+        measured = measure(p, model, model_dir, rows)
     return PrefixReport(
-        token_ratio=d["tokens_off"] / d["tokens_on"],
-        step_time_ratio=ratio,
-        max_rel_loss_diff=max(x["max_rel_loss_diff"] for x in dh),
-        max_rel_grad_diff=max(whole[1], *(x["max_rel_grad_diff"] for x in dh)),
-        rel_loss_diff_full_batch=whole[0],
-        loss_full_batch=whole[2],
-        loss_halves=[x["loss"] for x in dh],
-        **d,
-        rel_loss_diff_fp64=fp64["max_rel_loss_diff"],
-        max_rel_grad_diff_fp64=fp64["max_rel_grad_diff"],
-        rel_loss_diff_plain_rebatched=rebatched,
+        **measured,
         prefix_tokens=prefix_tokens,
-        mean_branch_tokens=statistics.mean(len(r.input_ids) - prompt for r in rows),
-        step_s_off=s_off,
-        step_s_on=s_on,
+        mean_branch_tokens=branch,
         rows=len(rows),
         device=p.device,
         threads=p.threads,
         load_avg_1m=os.getloadavg()[0],
+        **about,
     )
+
+
+def _trainable(model_dir: Path, device: str) -> PreTrainedModel:
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    return model.to(device).train()  # type: ignore[arg-type]
 
 
 def _branch_len(row: Transition) -> int:
@@ -331,7 +531,11 @@ def _branch_len(row: Transition) -> int:
 def _parse_args() -> PrefixConfig:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     for name, field in PrefixConfig.model_fields.items():
-        parser.add_argument(f"--{name.replace('_', '-')}", type=type(field.default))
+        flag = f"--{name.replace('_', '-')}"
+        if isinstance(field.default, bool):
+            parser.add_argument(flag, action="store_true", default=None)
+        else:
+            parser.add_argument(flag, type=type(field.default))
     given = {k: v for k, v in vars(parser.parse_args()).items() if v is not None}
     return PrefixConfig(**given)
 
@@ -340,6 +544,11 @@ def main() -> None:
     ensure_passive_omp()
     hf_logging.disable_progress_bar()
     r = run(_parse_args())
+    if r.mode == "recorded":
+        print(
+            f"{r.framework}: {r.rollouts} rollouts, {r.calls_per_rollout:.1f} calls each,"
+            f" recorded in {r.wall_s_record:.0f}s"
+        )
     print(
         f"{r.rows} rows, prefix {r.prefix_tokens} tokens, branches {r.mean_branch_tokens:.0f}:"
         f" tokens {r.tokens_off} -> {r.tokens_on} ({r.token_ratio:.2f}x), step"

@@ -2,7 +2,9 @@
 
 bench/merge.py: merged multi-turn rows and one-row-per-span rows of the same 4-call
 calculator rollouts give the same loss and gradients while the merged form forwards ~3x
-fewer tokens. bench/mfu.py: the FLOP accounting matches a hand count.
+fewer tokens. bench/mfu.py: the FLOP accounting matches a hand count. bench/prefix_tree.py
+--recorded: rows from real smolagents rollouts train the same with and without the shared
+prefix, forwarding it once.
 """
 
 from __future__ import annotations
@@ -15,6 +17,8 @@ from types import ModuleType
 
 import pytest
 import torch
+
+from .longctx import long_model_dir  # noqa: F401
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -102,3 +106,26 @@ def test_noise_bench_eval_sees_the_tool_noise(calculator_skilled_dir: Path, tmp_
     noisy = noise.evaluate_one("noisy", calculator_skilled_dir, tasks, tmp_path, 1.0, 0.0)
     assert clean >= 0.7
     assert noisy <= clean - 0.3
+
+
+@pytest.mark.slow
+def test_prefix_bench_recorded_rollouts_share_the_framework_prompt(
+    long_model_dir: Path,  # noqa: F811
+) -> None:
+    # smolagents' ToolCallingAgent, unchanged, through the gateway: every row of a group
+    # opens with its system prompt and tool descriptions (over 1,000 tokens), which the tree
+    # forwards once, and the loss and gradients stay those of one row per rollout.
+    prefix = _bench("prefix_tree")
+    cfg = prefix.PrefixConfig(
+        recorded=True, groups=1, group_size=2, max_tokens=32, max_steps=1, reps=1, threads=1
+    )
+    threads = torch.get_num_threads()
+    try:
+        report = prefix.run(cfg)
+    finally:
+        torch.set_num_threads(threads)
+    assert report.mode == "recorded" and report.framework.startswith("smolagents")
+    assert report.rollouts == 2 and report.rows >= 2
+    assert report.prefix_tokens > 1000
+    assert report.tokens_on < report.tokens_off
+    assert report.max_rel_grad_diff < 1e-4 and report.max_abs_logp_diff < 1e-4
