@@ -139,3 +139,36 @@ def test_async_sigkill_with_rollouts_in_flight_then_resume(
     requeued = [store.get_rollout(i) for i in in_flight]
     assert requeued and all(r.attempt >= 2 for r in requeued)  # re-run, not lost
     store.close()
+
+
+def test_sigterm_stops_the_engine_servers_the_run_started(
+    tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    """`tracerl train` sent SIGTERM (kill, a scheduler) exits and takes its engine server
+    processes with it: none is left running without a parent."""
+    logs = tmp_path / "engine-logs"
+    extra = ("--engine.kind", "hf_server", "--engine.log_dir", str(logs))
+    proc = _train(tmp_path, tiny_model_dir, *_args(tmp_path, tiny_model_dir, 40, *extra))
+    run = tmp_path / "runs" / "crash"
+    deadline = time.monotonic() + 240
+    while not (run / "checkpoints" / "latest").exists():  # serving and training by now
+        assert proc.poll() is None, "training ended before it could be stopped"
+        assert time.monotonic() < deadline
+        time.sleep(0.1)
+    ports = [p.stem.rsplit("-", 1)[1] for p in logs.glob("hf_server-*.log")]
+    assert ports and all(_server_running(port) for port in ports)
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(timeout=120) == 128 + signal.SIGTERM
+    assert not any(_server_running(port) for port in ports), "an engine server outlived the run"
+
+
+def _server_running(port: str) -> bool:
+    """Whether a tracerl.engines.hf_server process serving `port` is alive."""
+    for cmdline in Path("/proc").glob("[0-9]*/cmdline"):
+        try:
+            argv = cmdline.read_bytes().split(b"\0")
+        except OSError:  # it exited while we looked
+            continue
+        if b"tracerl.engines.hf_server" in argv and port.encode() in argv:
+            return True
+    return False

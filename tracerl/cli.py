@@ -9,6 +9,7 @@ once the command runs. Each run saves its resolved config next to its outputs.
 from __future__ import annotations
 
 import importlib
+import signal
 import sys
 
 from pydantic import ValidationError
@@ -58,8 +59,16 @@ class Tracerl(
     export: CliSubCommand[ExportCommand]
 
 
+def _terminated(signum: int, _frame: object) -> None:
+    raise SystemExit(128 + signum)
+
+
 def main(argv: list[str] | None = None) -> None:
     """Entry point of the `tracerl` command: parse, then run the chosen entry point."""
+    # SIGTERM (kill, a scheduler, docker stop) unwinds like an error: the run's cleanup
+    # stops the engine servers it started, instead of leaving them running with no parent.
+    # (`tracerl serve`'s HTTP server installs its own graceful handler while it runs.)
+    signal.signal(signal.SIGTERM, _terminated)
     args = sys.argv[1:] if argv is None else argv
     try:
         parsed = CliApp.run(Tracerl, cli_args=args or ["--help"])
