@@ -11,6 +11,7 @@ from __future__ import annotations
 import importlib
 import signal
 import sys
+import threading
 
 from pydantic import ValidationError
 from pydantic_settings import BaseSettings, CliApp, CliSubCommand
@@ -68,7 +69,8 @@ def main(argv: list[str] | None = None) -> None:
     # SIGTERM (kill, a scheduler, docker stop) unwinds like an error: the run's cleanup
     # stops the engine servers it started, instead of leaving them running with no parent.
     # (`tracerl serve`'s HTTP server installs its own graceful handler while it runs.)
-    signal.signal(signal.SIGTERM, _terminated)
+    if threading.current_thread() is threading.main_thread():  # the only thread allowed to
+        signal.signal(signal.SIGTERM, _terminated)
     args = sys.argv[1:] if argv is None else argv
     try:
         parsed = CliApp.run(Tracerl, cli_args=args or ["--help"])
