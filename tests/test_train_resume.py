@@ -146,10 +146,31 @@ def test_sigterm_stops_the_engine_servers_the_run_started(
 ) -> None:
     """`tracerl train` sent SIGTERM (kill, a scheduler) exits and takes its engine server
     processes with it: none is left running without a parent."""
-    logs = tmp_path / "engine-logs"
+    proc, ports = _training_on_servers(tmp_path, tiny_model_dir)
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(timeout=120) == 128 + signal.SIGTERM
+    assert not any(_server_running(port) for port in ports), "an engine server outlived the run"
+
+
+def test_sigkill_leaves_no_engine_server_behind(tiny_model_dir: Path, tmp_path: Path) -> None:
+    """SIGKILL runs no cleanup in `tracerl train`: its servers notice their owner is gone
+    (engines.owner) and stop themselves within seconds."""
+    proc, ports = _training_on_servers(tmp_path, tiny_model_dir)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    deadline = time.monotonic() + 30
+    while any(_server_running(port) for port in ports):
+        assert time.monotonic() < deadline, "an engine server outlived the killed run"
+        time.sleep(0.2)
+
+
+def _training_on_servers(tmp: Path, model: Path) -> tuple[subprocess.Popen[bytes], list[str]]:
+    """`tracerl train` with an `hf_server` engine, once it has trained a step; the ports of
+    its servers."""
+    logs = tmp / "engine-logs"
     extra = ("--engine.kind", "hf_server", "--engine.log_dir", str(logs))
-    proc = _train(tmp_path, tiny_model_dir, *_args(tmp_path, tiny_model_dir, 40, *extra))
-    run = tmp_path / "runs" / "crash"
+    proc = _train(tmp, model, *_args(tmp, model, 40, *extra))
+    run = tmp / "runs" / "crash"
     deadline = time.monotonic() + 240
     while not (run / "checkpoints" / "latest").exists():  # serving and training by now
         assert proc.poll() is None, "training ended before it could be stopped"
@@ -157,9 +178,7 @@ def test_sigterm_stops_the_engine_servers_the_run_started(
         time.sleep(0.1)
     ports = [p.stem.rsplit("-", 1)[1] for p in logs.glob("hf_server-*.log")]
     assert ports and all(_server_running(port) for port in ports)
-    proc.send_signal(signal.SIGTERM)
-    assert proc.wait(timeout=120) == 128 + signal.SIGTERM
-    assert not any(_server_running(port) for port in ports), "an engine server outlived the run"
+    return proc, ports
 
 
 def _server_running(port: str) -> bool:

@@ -34,6 +34,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from tracerl.engines.constrained import ConstrainedParams
 from tracerl.engines.launch import LaunchedEngine
+from tracerl.engines.owner import watch_owner
 from tracerl.engines.remote import SERVER_KEEPALIVE_S
 from tracerl.types import Generation, SamplingParams
 
@@ -252,6 +253,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--max-batch-size", type=int, default=32)
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
+    watch_owner()  # stop when the process that started this server is gone
     engine = HFEngine(
         args.model, device=args.device, max_batch_size=args.max_batch_size, seed=args.seed
     )

@@ -34,6 +34,7 @@ from typing import Protocol
 from transformers import AutoConfig, AutoTokenizer, GenerationConfig, PreTrainedTokenizerBase
 
 from tracerl.engines.config import EngineConfig
+from tracerl.engines.owner import OWNER_PID
 from tracerl.engines.remote import RemoteEngine
 from tracerl.engines.replicas import Replica
 from tracerl.engines.supervise import Server, Supervisor, wait_healthy
@@ -100,7 +101,7 @@ class ServerCommand:
         SIGTERM when the process that started it dies (Linux), however that process ends."""
         port = _free_port(host)
         argv = [host if a == HOST else str(port) if a == PORT else a for a in self.argv]
-        env = source_env() | self.env
+        env = source_env() | self.env | {OWNER_PID: str(os.getpid())}  # its watch (owner.py)
         return ServerProcess(self.name, argv, port, env, self.log_dir, host, die_with_parent)
 
 

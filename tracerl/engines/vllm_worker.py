@@ -21,6 +21,8 @@ import contextlib
 import functools
 from typing import Any
 
+from tracerl.engines.owner import watch_owner
+
 __all__ = ["TracerlWorkerExtension"]
 
 
@@ -86,3 +88,6 @@ def _patch_sampler() -> None:
 # Imported outside a vLLM environment (docs, linters) there is nothing to patch.
 with contextlib.suppress(ImportError):
     _patch_sampler()
+
+# In a server tracerl started: stop when the process that started it is gone (owner.py).
+watch_owner()
