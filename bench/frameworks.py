@@ -63,11 +63,14 @@ def _success(run_dir: Path) -> float:
     return float(json.loads((run_dir / "eval.json").read_text())["success_rate"])
 
 
-def _tasks(out: Path, n_train: int, n_eval: int) -> tuple[Path, Path]:
-    """(all tasks, the first n_train train tasks for the teacher to record)."""
-    from tracerl.examples.langgraph_calculator.tasks import write_tasks
+def _tasks(out: Path, n_train: int, n_eval: int, seed: int) -> tuple[Path, Path]:
+    """(all tasks, the first n_train train tasks for the teacher to record). The held-out
+    tasks are the example's (seed 1) whatever `seed`; the train tasks are the example's for
+    seed 0, others drawn with 100 + seed."""
+    from tracerl.examples.calculator.tasks import make_tasks
 
-    tasks = write_tasks(n_train, n_eval)
+    train_seed = 0 if seed == 0 else 100 + seed
+    tasks = make_tasks(n_train, "train", train_seed) + make_tasks(n_eval, "eval", 1)
     everything, record = out / "tasks.jsonl", out / "record.jsonl"
     everything.write_text("".join(json.dumps(t) + "\n" for t in tasks))
     record.write_text("".join(json.dumps(t) + "\n" for t in tasks if t["split"] == "train"))
@@ -114,12 +117,16 @@ def main() -> None:
     )  # fmt: skip
     p.add_argument("--rl-steps", type=int, default=20)
     p.add_argument("--eval", type=int, default=200, help="held-out tasks")
+    p.add_argument(
+        "--seed", type=int, default=0,
+        help="another run: the recorded train tasks, SFT's data order, RL's order and sampling",
+    )  # fmt: skip
     args = p.parse_args()
     out = Path(args.out).resolve()
     out.mkdir(parents=True, exist_ok=True)
     runs = ("--runs", str(out))
     stages = Stages(out)
-    tasks, record = _tasks(out, max(args.record, 2000), args.eval)
+    tasks, record = _tasks(out, max(args.record, 2000), args.eval, args.seed)
     started = time.perf_counter()
     base = _student_base(out)
     stages.walls.setdefault("student_base", time.perf_counter() - started)
@@ -138,6 +145,7 @@ def main() -> None:
             f"sft_{i + 1}", student / "config.json",
             "sft", "--from-traces", str(out / "teacher-record"), "--filter", "reward >= 1",
             "--base", str(previous), "--out", str(student), "--steps", str(steps),
+            "--seed", str(args.seed),
         )  # fmt: skip
     common = ("--reward", files.reward, "--tasks", str(tasks), *runs)
     stages.run(
@@ -149,7 +157,8 @@ def main() -> None:
         "rl", out / "rl" / "summary.json",
         "train", "--model", str(student), "--agent", agent, "--name", "rl",
         "--pipeline.steps", str(args.rl_steps), "--pipeline.eval_size", str(args.eval),
-        "--no-eval_before", *common,
+        "--pipeline.seed", str(args.seed), "--trainer.seed", str(args.seed),
+        "--engine.seed", str(args.seed), "--no-eval_before", *common,
     )  # fmt: skip
     stages.run(
         "rl_eval", out / "rl-eval" / "eval.json",
