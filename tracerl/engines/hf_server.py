@@ -33,9 +33,9 @@ from fastapi import FastAPI, Request, Response
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from tracerl.engines.constrained import ConstrainedParams
+from tracerl.engines.http import SERVER_KEEPALIVE_S
 from tracerl.engines.launch import LaunchedEngine
 from tracerl.engines.owner import watch_owner
-from tracerl.engines.remote import SERVER_KEEPALIVE_S
 from tracerl.types import Generation, SamplingParams
 
 if TYPE_CHECKING:

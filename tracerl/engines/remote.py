@@ -47,6 +47,7 @@ from transformers import PreTrainedTokenizerBase
 
 from tracerl.engines.base import EngineUnavailable
 from tracerl.engines.constrained import check_grammar
+from tracerl.engines.http import CONNECTION_ERRORS, KEEPALIVE_S, alive, answer
 from tracerl.engines.replicas import Replica, ReplicaSet
 from tracerl.types import Generation, SamplingParams
 
@@ -63,16 +64,6 @@ _POLL_S = 0.005
 """How often a request waiting for its replica to finish switching weights looks again."""
 _RETRY_S = (1.0, 30.0)
 """First and longest wait between two attempts to bring a replica back."""
-KEEPALIVE_S = 2.0
-"""How long an idle pooled connection is reused: well under the servers' keep-alive (the
-transformers server's and vLLM's are set to SERVER_KEEPALIVE_S), so the client never sends
-on a connection the server is closing."""
-SERVER_KEEPALIVE_S = 30
-"""How long the engine servers tracerl starts keep an idle connection open."""
-_CONNECTION_ERRORS = (httpx.TransportError, AttributeError)
-"""What a failed connection raises. AttributeError: anyio reads the peer name of a socket that
-a closing server has already dropped (`'NoneType' object has no attribute 'getpeername'`)
-while httpcore opens a connection."""
 
 
 class RemoteEngine:
@@ -142,27 +133,19 @@ class RemoteEngine:
             replica, version = await self._admit(routing_key, failed)
             try:
                 response = await self._client().post(f"{replica.url}/v1/completions", json=body)
-            except _CONNECTION_ERRORS as exc:
+            except CONNECTION_ERRORS as exc:
                 if self._closed:
                     raise RuntimeError("engine is closed") from exc
                 # A connection can fail while its server is fine (one closed under an idle
                 # pooled connection): only a server that does not answer /health is out.
-                if not await self._alive(replica):
+                if not await alive(replica.url):
                     self.replica_failed(replica, repr(exc))
                     failed = replica
                 continue
             finally:
                 self.replicas.leave(replica)
-            return self._generation(_json(response), params, version)
+            return self._generation(answer(response), params, version)
         raise EngineUnavailable(f"replica {failed.url if failed else '?'} failed twice")
-
-    async def _alive(self, replica: Replica) -> bool:
-        """Whether the server of `replica` answers /health now, on a fresh connection."""
-        try:
-            async with httpx.AsyncClient(timeout=5.0) as client:
-                return (await client.get(f"{replica.url}/health")).status_code == 200
-        except _CONNECTION_ERRORS:
-            return False
 
     def generate_sync(self, replica: int, prompt_ids: list[int], max_tokens: int = 1) -> Generation:
         """Greedy completion from one given replica, outside any event loop (checks, tests)."""
@@ -171,7 +154,7 @@ class RemoteEngine:
         response = self._sync.post(
             f"{target.url}/v1/completions", json=self._body(prompt_ids, params)
         )
-        return self._generation(_json(response), params, target.version)
+        return self._generation(answer(response), params, target.version)
 
     def _check(self, prompt_ids: list[int], params: SamplingParams) -> None:
         if self._closed:
@@ -408,13 +391,3 @@ def _write_safetensors(state: dict[str, torch.Tensor], path: Path, *, drop_tied_
     }
     path.mkdir(parents=True, exist_ok=True)
     save_file(tensors, str(path / "model.safetensors"))
-
-
-def _json(response: httpx.Response) -> dict[str, Any]:
-    """The body of a successful answer; a 4xx becomes ValueError, anything else an error."""
-    if response.status_code == 200:
-        return dict(response.json())
-    message = response.text
-    if 400 <= response.status_code < 500:
-        raise ValueError(f"the server refused the request ({response.status_code}): {message}")
-    raise RuntimeError(f"the server failed ({response.status_code}): {message}")

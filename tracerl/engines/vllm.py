@@ -14,8 +14,8 @@ import shutil
 from pathlib import Path
 
 from tracerl.engines.config import EngineConfig
+from tracerl.engines.http import SERVER_KEEPALIVE_S
 from tracerl.engines.launch import LaunchedEngine, Placement, source_env
-from tracerl.engines.remote import SERVER_KEEPALIVE_S
 
 __all__ = ["VLLMEngine", "server_args", "server_env", "server_vars"]
 
