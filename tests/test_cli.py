@@ -257,3 +257,22 @@ def test_the_wheel_ships_the_demo_example(tmp_path: Path) -> None:
     agent, split = out.stdout.split()
     assert agent == f"{site / 'tracerl' / 'examples' / 'calculator' / 'agent.py'}:run"
     assert split == "eval"
+
+
+def test_sigterm_during_a_finalizer_still_stops_the_command() -> None:
+    """A SIGTERM landing while a `__del__` runs (e.g. an SDK client collected mid-step) is
+    not dropped with the finalizer's "Exception ignored": the command exits 143."""
+    code = (
+        "import os, signal, time, tracerl.cli\n"
+        "signal.signal(signal.SIGTERM, tracerl.cli._terminated)\n"
+        "class Client:\n"
+        "    def __del__(self):\n"
+        "        os.kill(os.getpid(), signal.SIGTERM)\n"
+        "        sum(range(10000))\n"
+        "client = Client()\n"
+        "del client\n"
+        "time.sleep(5)\n"
+        "print('ran on')\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert (out.returncode, out.stdout) == (143, "")

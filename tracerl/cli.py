@@ -12,6 +12,7 @@ import importlib
 import signal
 import sys
 import threading
+from types import FrameType
 
 from pydantic import ValidationError
 from pydantic_settings import BaseSettings, CliApp, CliSubCommand
@@ -60,8 +61,38 @@ class Tracerl(
     export: CliSubCommand[ExportCommand]
 
 
-def _terminated(signum: int, _frame: object) -> None:
+_terminated_by: int | None = None
+"""The signal that asked this process to stop, once one has."""
+
+
+def _terminated(signum: int, frame: FrameType | None) -> None:
+    """SIGTERM: unwind with SystemExit(128 + signum), from a frame where it can unwind.
+
+    Python runs a signal handler in whatever frame the main thread is in. Inside a
+    finalizer (`__del__`, e.g. an SDK client collected mid-step) a raised SystemExit is
+    printed as "Exception ignored" and dropped, and the run would go on to its end. There the
+    signal is sent again a moment later, once the finalizer has returned."""
+    global _terminated_by
+    _terminated_by = signum
+    if _in_finalizer(frame):
+        main = threading.main_thread().ident
+        assert main is not None
+        threading.Timer(0.05, signal.pthread_kill, args=(main, signum)).start()
+        return
     raise SystemExit(128 + signum)
+
+
+def _in_finalizer(frame: FrameType | None) -> bool:
+    """Whether `frame` or a caller is a `__del__` method or a `weakref.finalize` callback
+    (where a raised exception is dropped)."""
+    while frame is not None:
+        code = frame.f_code
+        if code.co_name == "__del__" or (
+            code.co_name == "__call__" and code.co_filename.endswith("weakref.py")
+        ):
+            return True
+        frame = frame.f_back
+    return False
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -79,6 +110,8 @@ def main(argv: list[str] | None = None) -> None:
     name = next(name for name in Tracerl.model_fields if getattr(parsed, name) is not None)
     entry = importlib.import_module(f"tracerl.entrypoints.{name}")
     entry.main(getattr(parsed, name), console)
+    if _terminated_by is not None:  # stopped by a signal whose SystemExit something swallowed
+        raise SystemExit(128 + _terminated_by)
 
 
 if __name__ == "__main__":
