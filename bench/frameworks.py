@@ -5,8 +5,9 @@ Every stage is a tracerl command run as its own process, the agent file unchange
   1. the teacher (teacher.py, a scripted OpenAI-compatible server) served by the gateway as
      a remote role recorded with the student's tokenizer: held-out success, then N
      recorded rollouts on train tasks (`tracerl eval --roles ...`);
-  2. `tracerl sft --from-traces <record run> --filter 'reward >= 1'` into the student (in
-     passes, each from the last one's model);
+  2. `tracerl sft --from-traces <record run> --filter 'reward >= 1'` into the student, in
+     passes, each from the last one's model, until the held-out exact match of the recorded
+     turns reaches --sft-target (`--skill_target`);
   3. the student's held-out success (`tracerl eval --model`);
   4. `tracerl train` (GRPO) from the student, held-out success before and after.
 Prints each stage's numbers and wall time, then one JSON line.
@@ -115,6 +116,14 @@ def main() -> None:
         "--sft-steps", default="800,600",
         help="SFT passes on the traces, each from the last one's model (its own schedule)",
     )  # fmt: skip
+    p.add_argument(
+        "--sft-target", type=float, default=0.3,
+        help="held-out exact match of the recorded turns that ends SFT (0: the passes as given)",
+    )  # fmt: skip
+    p.add_argument(
+        "--sft-max-passes", type=int, default=6,
+        help="with --sft-target: passes (the last --sft-steps length repeated) before giving up",
+    )  # fmt: skip
     p.add_argument("--rl-steps", type=int, default=20)
     p.add_argument("--eval", type=int, default=200, help="held-out tasks")
     p.add_argument(
@@ -138,15 +147,7 @@ def main() -> None:
     if not (out / "teacher-record" / "eval.json").exists():
         _teach(stages, args, out, files)
 
-    student = base
-    for i, steps in enumerate(int(s) for s in args.sft_steps.split(",")):
-        previous, student = student, out / f"student-{i + 1}"
-        stages.run(
-            f"sft_{i + 1}", student / "config.json",
-            "sft", "--from-traces", str(out / "teacher-record"), "--filter", "reward >= 1",
-            "--base", str(previous), "--out", str(student), "--steps", str(steps),
-            "--seed", str(args.seed),
-        )  # fmt: skip
+    student = _sft_passes(stages, args, out, base)
     common = ("--reward", files.reward, "--tasks", str(tasks), *runs)
     stages.run(
         "student_eval", out / "student-eval" / "eval.json",
@@ -166,6 +167,30 @@ def main() -> None:
         "--name", "rl-eval", *common,
     )  # fmt: skip
     _report(out, args, stages.walls)
+
+
+def _sft_passes(stages: Stages, args: argparse.Namespace, out: Path, base: Path) -> Path:
+    """SFT on the teacher's successful traces in passes, each from the last one's model.
+
+    With a target, a pass stops once the held-out exact match of the recorded turns reaches
+    it, and passes go on until one does: exact match tracks the student's agent success
+    closely (both ~0.1 after a seed's fixed 800 + 600 steps, ~0.27 after another's), and how
+    many steps reach it depends on data order, so fixed pass lengths were the fragile part."""
+    lengths = [int(s) for s in args.sft_steps.split(",")]
+    passes = max(len(lengths), args.sft_max_passes) if args.sft_target else len(lengths)
+    target = ("--skill_target", str(args.sft_target)) if args.sft_target else ()
+    student = base
+    for i in range(passes):
+        previous, student = student, out / f"student-{i + 1}"
+        stages.run(
+            f"sft_{i + 1}", student / "config.json",
+            "sft", "--from-traces", str(out / "teacher-record"), "--filter", "reward >= 1",
+            "--base", str(previous), "--out", str(student),
+            "--steps", str(lengths[min(i, len(lengths) - 1)]), "--seed", str(args.seed), *target,
+        )  # fmt: skip
+        if target and json.loads((student / "sft.json").read_text())["target_reached"]:
+            break
+    return student
 
 
 def _teach(stages: Stages, args: argparse.Namespace, out: Path, files: Files) -> None:
@@ -200,6 +225,7 @@ def _report(out: Path, args: argparse.Namespace, walls: dict[str, float]) -> Non
     result = {
         "teacher": _success(out / "teacher-eval"),
         "recorded": _success(out / "teacher-record"),
+        "sft": [_sft_summary(p) for p in sorted(out.glob("student-[0-9]*/sft.json"))],
         "student_before_rl": _success(out / "student-eval"),
         "student_after_rl": _success(out / "rl-eval"),
         "wall_s": {k: round(v, 1) for k, v in walls.items()},
@@ -213,6 +239,13 @@ def _report(out: Path, args: argparse.Namespace, walls: dict[str, float]) -> Non
     for stage, wall in walls.items():
         print(f"  {stage:<14} {wall:7.1f} s")
     print(json.dumps(result))
+
+
+def _sft_summary(path: Path) -> dict[str, object]:
+    """One pass: its steps and its last held-out exact match."""
+    result = json.loads(path.read_text())
+    checks = result["held_out"]
+    return {"steps": result["steps"], "held_out": checks[-1]["exact_match"] if checks else None}
 
 
 if __name__ == "__main__":

@@ -14,7 +14,7 @@ from transformers import AutoModelForCausalLM
 from tracerl.entrypoints.config import SftCommand
 from tracerl.entrypoints.sft import main as sft_main
 from tracerl.models import Demo, SftConfig, build_tiny_model, render_chat, sft
-from tracerl.models.sft import EncodedDemo, exact_match, split_holdout
+from tracerl.models.sft import EncodedDemo, SftResult, exact_match, split_holdout
 
 COLORS = {"sky": "blue", "grass": "green", "snow": "white", "coal": "black"}
 # Learnable in a few dozen steps: the answer depends on the question, from a small table.
@@ -94,3 +94,7 @@ def test_cli_warns_when_the_cap_comes_before_the_target(base_dir: Path, tmp_path
     assert "going on to the habit stage" in text
     assert f"habit: saved {out}: 2 steps" in text
     assert (out / "config.json").exists() and (tmp_path / "weak-skill" / "config.json").exists()
+    skill = SftResult.model_validate_json((tmp_path / "weak-skill" / "sft.json").read_text())
+    assert (skill.steps, skill.target_reached) == (3, False)
+    assert [c.step for c in skill.held_out] == [2, 3]
+    assert SftResult.model_validate_json((out / "sft.json").read_text()).steps == 2
