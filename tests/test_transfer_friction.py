@@ -8,12 +8,15 @@ import random
 import re
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 from rich.console import Console
 
 from tracerl.entrypoints.train import file_relative
+from tracerl.evaluate import load_tasks
+from tracerl.export.formats import read_training_file
 from tracerl.models.recipe import corrupt, degrade
 from tracerl.models.sft import Demo, SftConfig, load_demos
 from tracerl.store.sqlite import SqliteStore
@@ -41,6 +44,19 @@ def test_demo_lines_may_carry_extra_keys_and_bad_lines_are_named(tmp_path: Path)
     path.write_text(json.dumps(DEMO) + "\n" + json.dumps({"messages": "oops"}) + "\n")
     with pytest.raises(ValueError, match=r"demos.jsonl:2: messages"):
         load_demos(path)
+
+
+@pytest.mark.parametrize("read", [load_demos, load_tasks, read_training_file])
+def test_every_jsonl_reader_names_the_line_that_is_not_an_object(
+    tmp_path: Path, read: Callable[[Path], object]
+) -> None:
+    path = tmp_path / "file.jsonl"
+    path.write_text(json.dumps(DEMO) + "\n\n" + '{"messages": [\n')
+    with pytest.raises(ValueError, match=r"file.jsonl:3: not valid JSON"):
+        read(path)
+    path.write_text('["a list"]\n')
+    with pytest.raises(ValueError, match=r"file.jsonl:1: each line must be a JSON object"):
+        read(path)
 
 
 def test_sft_help_prints_the_default_numbers() -> None:

@@ -8,7 +8,6 @@ say how the agent used the model (calls per rollout, tokens, token reuse, latenc
 from __future__ import annotations
 
 import asyncio
-import json
 import time
 import uuid
 from pathlib import Path
@@ -19,6 +18,7 @@ from rich.console import Console
 from tqdm import tqdm
 
 from tracerl.agents import AgentFn, RewardFn
+from tracerl.jsonl import read_objects
 from tracerl.runner import Runner, RunnerConfig
 from tracerl.store import Store
 from tracerl.types import Rollout, Span, Task
@@ -30,15 +30,7 @@ def load_tasks(path: str | Path, split: str | None = None) -> list[Task]:
     A line may also be a bare input object (no "input" key); ids default to the line number.
     """
     tasks = []
-    for n, line in enumerate(Path(path).read_text().splitlines(), start=1):
-        if not line.strip():
-            continue
-        try:
-            raw = json.loads(line)
-        except json.JSONDecodeError as e:
-            raise ValueError(f"{path}:{n}: not valid JSON ({e.msg})") from None
-        if not isinstance(raw, dict):
-            raise ValueError(f"{path}:{n}: each line must be a JSON object")
+    for n, raw in read_objects(path):
         if "input" not in raw:
             raw = {"input": raw}
         raw.setdefault("id", f"{Path(path).stem}-{n}")

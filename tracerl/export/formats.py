@@ -31,6 +31,7 @@ from typing import Annotated, Literal
 from pydantic import BaseModel, ConfigDict, Field, JsonValue, ValidationError
 
 from tracerl.export.select import TraceRow
+from tracerl.jsonl import read_objects
 from tracerl.models.sft import Demo, EncodedDemo
 
 __all__ = [
@@ -256,13 +257,9 @@ def read_training_file(path: str | Path) -> list[Demo | EncodedDemo]:
     """Training examples from JSONL whose lines are OpenAI chat lines or ADP trajectories
     (mixed freely): ADP with tracerl_tokens as its exact ids, everything else as a Demo."""
     out = []
-    for n, text in enumerate(Path(path).read_text().splitlines(), start=1):
-        if not text.strip():
-            continue
+    for n, raw in read_objects(path):
         try:
-            out.append(_line(json.loads(text)))
-        except json.JSONDecodeError as e:
-            raise ValueError(f"{path}:{n}: not valid JSON ({e.msg})") from None
+            out.append(_line(raw))
         except (ValidationError, ValueError, KeyError, TypeError) as e:
             raise ValueError(f"{path}:{n}: {e}") from None
     if not out:

@@ -19,6 +19,8 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field, JsonValue, ValidationError
 from transformers import PreTrainedTokenizerBase
 
+from tracerl.jsonl import read_objects
+
 __all__ = [
     "Demo",
     "EncodedDemo",
@@ -58,14 +60,8 @@ def load_demos(path: str | Path) -> list[Demo]:
     Other keys of a line (an "id", a "family", ...) are bookkeeping and ignored; a line
     that is not a demonstration is a ValueError naming the line and what is wrong."""
     demos = []
-    for n, line in enumerate(Path(path).read_text().splitlines(), start=1):
-        if not line.strip():
-            continue
-        try:
-            raw = json.loads(line)
-        except json.JSONDecodeError as e:
-            raise ValueError(f"{path}:{n}: not valid JSON ({e.msg})") from None
-        if not isinstance(raw, dict) or "messages" not in raw:
+    for n, raw in read_objects(path):
+        if "messages" not in raw:
             raise ValueError(f'{path}:{n}: each line must be an object with "messages"')
         try:
             demos.append(
