@@ -117,7 +117,7 @@ def main() -> None:
         help="SFT passes on the traces, each from the last one's model (its own schedule)",
     )  # fmt: skip
     p.add_argument(
-        "--sft-target", type=float, default=0.3,
+        "--sft-target", type=float, default=0.2,
         help="held-out exact match of the recorded turns that ends SFT (0: the passes as given)",
     )  # fmt: skip
     p.add_argument(
