@@ -259,20 +259,42 @@ def test_the_wheel_ships_the_demo_example(tmp_path: Path) -> None:
     assert split == "eval"
 
 
-def test_sigterm_during_a_finalizer_still_stops_the_command() -> None:
+SIGNAL_IN_A_FINALIZER = """
+class Client:
+    def __del__(self):
+        os.kill(os.getpid(), signal.SIGTERM)
+        sum(range(10000))
+client = Client()
+del client
+"""
+SIGNAL_IN_AN_IMPORT = """
+sys.path.insert(0, sys.argv[1])
+atexit.register(lambda: print("initialized" if "plotting" in sys.modules else "half"))
+import plotting  # sends the signal from its top level, then goes on initializing
+"""
+
+
+@pytest.mark.parametrize(
+    ("where", "printed"), [(SIGNAL_IN_A_FINALIZER, ""), (SIGNAL_IN_AN_IMPORT, "initialized\n")]
+)
+def test_sigterm_where_no_exception_can_unwind_still_stops_the_command(
+    where: str, printed: str, tmp_path: Path
+) -> None:
     """A SIGTERM landing while a `__del__` runs (e.g. an SDK client collected mid-step) is
-    not dropped with the finalizer's "Exception ignored": the command exits 143."""
+    not dropped with the finalizer's "Exception ignored", and one landing inside an import
+    does not leave the module half-initialized: the command exits 143 once past them."""
+    (tmp_path / "plotting.py").write_text(
+        "import os, signal\nos.kill(os.getpid(), signal.SIGTERM)\n"
+        "sum(range(100000))\nINITIALIZED = True\n"
+    )
     code = (
-        "import os, signal, time, tracerl.cli\n"
+        "import atexit, os, signal, sys, time, tracerl.cli\n"
         "signal.signal(signal.SIGTERM, tracerl.cli._terminated)\n"
-        "class Client:\n"
-        "    def __del__(self):\n"
-        "        os.kill(os.getpid(), signal.SIGTERM)\n"
-        "        sum(range(10000))\n"
-        "client = Client()\n"
-        "del client\n"
+        f"{where}\n"
         "time.sleep(5)\n"
         "print('ran on')\n"
     )
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
-    assert (out.returncode, out.stdout) == (143, "")
+    out = subprocess.run(
+        [sys.executable, "-c", code, str(tmp_path)], capture_output=True, text=True
+    )
+    assert (out.returncode, out.stdout, out.stderr) == (143, printed, "")

@@ -68,13 +68,15 @@ _terminated_by: int | None = None
 def _terminated(signum: int, frame: FrameType | None) -> None:
     """SIGTERM: unwind with SystemExit(128 + signum), from a frame where it can unwind.
 
-    Python runs a signal handler in whatever frame the main thread is in. Inside a
-    finalizer (`__del__`, e.g. an SDK client collected mid-step) a raised SystemExit is
-    printed as "Exception ignored" and dropped, and the run would go on to its end. There the
-    signal is sent again a moment later, once the finalizer has returned."""
+    Python runs a signal handler in whatever frame the main thread is in, and two of those
+    cannot take an exception: inside a finalizer (`__del__`, e.g. an SDK client collected
+    mid-step) a raised SystemExit is printed as "Exception ignored" and dropped, and the run
+    goes on to its end; inside an import it leaves the module half-initialized (a C
+    extension's failed init, matplotlib's, aborted the interpreter at exit). There the
+    signal is sent again a moment later, until it lands outside them."""
     global _terminated_by
     _terminated_by = signum
-    if _in_finalizer(frame):
+    if _cannot_unwind(frame):
         main = threading.main_thread().ident
         assert main is not None
         threading.Timer(0.05, signal.pthread_kill, args=(main, signum)).start()
@@ -82,13 +84,15 @@ def _terminated(signum: int, frame: FrameType | None) -> None:
     raise SystemExit(128 + signum)
 
 
-def _in_finalizer(frame: FrameType | None) -> bool:
-    """Whether `frame` or a caller is a `__del__` method or a `weakref.finalize` callback
-    (where a raised exception is dropped)."""
+def _cannot_unwind(frame: FrameType | None) -> bool:
+    """Whether `frame` or a caller is a `__del__` method, a `weakref.finalize` callback or
+    the import machinery."""
     while frame is not None:
         code = frame.f_code
-        if code.co_name == "__del__" or (
-            code.co_name == "__call__" and code.co_filename.endswith("weakref.py")
+        if (
+            code.co_name == "__del__"
+            or (code.co_name == "__call__" and code.co_filename.endswith("weakref.py"))
+            or code.co_filename.startswith("<frozen importlib")
         ):
             return True
         frame = frame.f_back
@@ -109,7 +113,14 @@ def main(argv: list[str] | None = None) -> None:
         raise SystemExit(f"tracerl: {config_errors(e)}") from None
     name = next(name for name in Tracerl.model_fields if getattr(parsed, name) is not None)
     entry = importlib.import_module(f"tracerl.entrypoints.{name}")
-    entry.main(getattr(parsed, name), console)
+    try:
+        entry.main(getattr(parsed, name), console)
+    except Exception:
+        if _terminated_by is None:
+            raise
+        # The signal's SystemExit, turned into another error on its way out (e.g. raised
+        # inside a callback from C): still a stop by that signal.
+        raise SystemExit(128 + _terminated_by) from None
     if _terminated_by is not None:  # stopped by a signal whose SystemExit something swallowed
         raise SystemExit(128 + _terminated_by)
 
