@@ -98,3 +98,20 @@ def test_cli_warns_when_the_cap_comes_before_the_target(base_dir: Path, tmp_path
     assert (skill.steps, skill.target_reached) == (3, False)
     assert [c.step for c in skill.held_out] == [2, 3]
     assert SftResult.model_validate_json((out / "sft.json").read_text()).steps == 2
+
+
+def test_cli_holdout_without_a_target_scores_every_check_and_trains_every_step(
+    base_dir: Path, tmp_path: Path
+) -> None:
+    """`--holdout` alone: the held-out score at each check in sft.json, no early stop."""
+    demos = tmp_path / "demos.jsonl"
+    demos.write_text("".join(json.dumps(d.model_dump()) + "\n" for d in DEMOS))
+    out = tmp_path / "scored"
+    cfg = SftCommand(demos=str(demos), base=str(base_dir), out=str(out), steps=4, lr=3e-3,
+                     holdout=0.25, eval_every=2)  # fmt: skip
+    console = Console(width=300, record=True)
+    sft_main(cfg, console)
+    result = SftResult.model_validate_json((out / "sft.json").read_text())
+    assert (result.steps, result.target, result.target_reached) == (4, None, None)
+    assert [c.step for c in result.held_out] == [2, 4]
+    assert "sft: held-out exact match" in console.export_text()

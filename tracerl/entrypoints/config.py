@@ -209,10 +209,12 @@ class SftCommand(Command):
     or the one SFT of plain); --steps becomes the cap. Exact match: the share of held-out
     demos whose every assistant token is the model's top choice given the demo before it,
     so greedy decoding copies every tool call and the final answer."""
-    holdout: float = Field(default=0.1, gt=0, lt=1)
-    """With --skill_target: share of the demos held out (chosen by --seed) to score it."""
+    holdout: float | None = Field(default=None, gt=0, lt=1)
+    """Share of the demos held out (chosen by --seed) and scored by exact match every
+    --eval_every steps, the scores printed and kept in <out>/sft.json (default: 0.1 with
+    --skill_target, none without; without a target every step is trained)."""
     eval_every: int = Field(default=50, ge=1)
-    """With --skill_target: steps between held-out checks."""
+    """With a holdout: steps between held-out checks."""
 
 
 class TracesShow(Command):

@@ -38,8 +38,9 @@ def main(cfg: SftCommand, console: Console) -> None:
     examples = _examples(cfg)
     # The flags left unset keep SftConfig's defaults.
     given = cfg.model_dump(include={"steps", "stop_loss", "lr", "seed"}, exclude_none=True)
-    if cfg.skill_target is not None:
-        given |= {"target": cfg.skill_target, "holdout": cfg.holdout, "eval_every": cfg.eval_every}
+    if cfg.skill_target is not None or cfg.holdout is not None:
+        holdout = 0.1 if cfg.holdout is None else cfg.holdout
+        given |= {"target": cfg.skill_target, "holdout": holdout, "eval_every": cfg.eval_every}
     encoded = any(isinstance(e, EncodedDemo) for e in examples)
     if encoded and cfg.base is None:
         raise SystemExit("examples given as token ids need --base (the model that made them)")
