@@ -31,6 +31,7 @@ from pathlib import Path
 from tracerl.examples import example_dir
 from tracerl.examples.calculator.expert import demonstrations
 from tracerl.models import TinyModelConfig, build_tiny_model, render_chat
+from tracerl.models.sft import SftResult
 
 TEACHER = example_dir("langgraph_calculator") / "teacher.py"
 
@@ -257,9 +258,9 @@ def _report(out: Path, args: argparse.Namespace, walls: dict[str, float], studen
 
 def _sft_summary(path: Path) -> dict[str, float]:
     """One pass: its steps and its last held-out exact match (0 when not scored)."""
-    result = json.loads(path.read_text())
-    checks = result["held_out"]
-    return {"steps": result["steps"], "held_out": checks[-1]["exact_match"] if checks else 0.0}
+    result = SftResult.model_validate_json(path.read_text())
+    last = result.held_out[-1].exact_match if result.held_out else 0.0
+    return {"steps": result.steps, "held_out": last}
 
 
 if __name__ == "__main__":

@@ -3,8 +3,6 @@ from recorded traces (`--from-traces`, the rows' own token ids), before or betwe
 
 from __future__ import annotations
 
-from pathlib import Path
-
 from rich.console import Console
 
 from tracerl.entrypoints import quiet_model_loading
@@ -57,9 +55,7 @@ def main(cfg: SftCommand, console: Console) -> None:
 
 
 def _print(console: Console, stage: str, result: SftResult) -> None:
-    """Say what the stage did, and keep it beside its model as sft.json (steps, losses,
-    held-out checks, whether the target was reached) for scripts to read."""
-    (Path(result.out_dir) / "sft.json").write_text(result.model_dump_json(indent=1))
+    """Say what the stage did (`sft` keeps the same beside the model as sft.json)."""
     console.print(
         f"{stage}: saved {result.out_dir}: {result.steps} steps, final loss "
         f"{result.final_loss:.3f}, {result.tokens_per_s:.0f} tok/s"

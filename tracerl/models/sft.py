@@ -274,7 +274,7 @@ def sft(
     model.save_pretrained(out)
     tokenizer.save_pretrained(out)
     tail = losses[-cfg.log_every :]
-    return SftResult(
+    result = SftResult(
         out_dir=str(out),
         steps=len(losses),
         stopped_early=len(losses) < cfg.steps,
@@ -286,6 +286,9 @@ def sft(
         target=cfg.target,
         target_reached=_reached(checks, cfg.target),
     )
+    # Beside the model, for scripts deciding what to do next (another pass, the habit stage).
+    (out / "sft.json").write_text(result.model_dump_json(indent=1))
+    return result
 
 
 def _reached(checks: list[HeldOutCheck], target: float | None) -> bool | None:
