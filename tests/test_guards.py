@@ -159,6 +159,11 @@ def test_a_run_collapsing_on_purpose_exports_the_best_checkpoint(
     beaten = summary.model.model_success >= summary.model.last_success
     assert beaten if respond else summary.model.model_success > summary.model.last_success
     assert summary.success_after == summary.model.model_success
+    # The best checkpoint was scored again at export, and it is what model/ holds.
+    assert summary.model.best_step == summary.model.model_step
+    assert summary.model.best_rescored == summary.model.model_success
+    # Every evaluation (before, periodic, after) scored all 16 held-out tasks.
+    assert {m["eval/size"] for m in metrics if "eval/success" in m} == {16}
     best_dir = run / "checkpoints" / f"step-{summary.model.model_step}" / "model"
     exported, last = _weights(run / "model"), _weights(run / "model-last")
     for key, value in _weights(best_dir).items():

@@ -70,7 +70,7 @@ def read_metrics(path: Path) -> list[dict]:
 def plot_rewards(metrics_path: Path, out: Path, title: str = "") -> Path:
     """reward.png: train reward and held-out success against training step (each held-out
     point labelled with its number of tasks: the evaluations before and after training use
-    every held-out task, the periodic ones `eval_size`), and model calls per rollout on a
+    every held-out task, the periodic ones `eval_size`, by default all), and model calls per rollout on a
     second axis (how much the agent uses its tools)."""
     plt = _pyplot()
     rows = read_metrics(metrics_path)

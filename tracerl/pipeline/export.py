@@ -38,6 +38,13 @@ class Exported(BaseModel):
     """Training steps done."""
     last_success: float
     """The last weights' held-out success."""
+    best_step: int | None = None
+    """The step of the best periodic held-out evaluation, when that was not the last step
+    (None: the last weights were the best evaluated)."""
+    best_rescored: float | None = None
+    """That checkpoint's held-out success measured again at export, on the same tasks as the
+    last weights' (its periodic score was the largest of several noisy ones, so it reads
+    high): the score that chose between it and the last weights."""
 
 
 def export_outputs(
@@ -60,14 +67,16 @@ def export_outputs(
     last = model.with_name(model.name + "-last")
     _save_all(pipeline.policies, last)
     load_checkpoint_weights(pipeline, best)
-    best_success = evaluate_all(f"eval best (step {best})")
-    if best_success < last_success:  # measured on the same tasks, the last one is better
+    rescored = evaluate_all(f"eval best (step {best})")
+    chosen, chosen_success = best, rescored
+    if rescored < last_success:  # measured on the same tasks, the last one is better
         _load_saved(pipeline, last)
-        best, best_success = step, last_success
+        chosen, chosen_success = step, last_success
     _save_all(pipeline.policies, model)
     return Exported(
-        model_dir=str(model), model_step=best, model_success=best_success,
+        model_dir=str(model), model_step=chosen, model_success=chosen_success,
         last_dir=str(last), last_step=step, last_success=last_success,
+        best_step=best, best_rescored=rescored,
     )  # fmt: skip
 
 

@@ -80,7 +80,8 @@ class TrainSummary(BaseModel):
     model: Exported | None = None
     """Which weights were exported where, the best and the last, with their scores."""
     evals: dict[int, float] = {}
-    """Held-out success by step (periodic evaluations use the first eval_size tasks)."""
+    """Held-out success by step (periodic evaluations use the first eval_size tasks, by
+    default all)."""
     warnings: list[str] = []
     """The guard rails' warnings (pre-flight, collapse signals, rollbacks), in order."""
     preflight: PreflightReport | None = None
@@ -297,7 +298,7 @@ def _loop(run: _Run) -> TrainSummary:
         values |= run.extra()
         every = cfg.pipeline.eval_every
         if every and report.step % every == 0 and report.step < cfg.pipeline.steps:
-            subset = run.held_out[: cfg.pipeline.eval_size]
+            subset = run.held_out[: cfg.pipeline.eval_size or len(run.held_out)]
             success = run.evaluate(subset, f"eval step {report.step}")
             values |= {"eval/success": success, "eval/size": len(subset)}
             values |= guards.on_eval(report.step, success)
