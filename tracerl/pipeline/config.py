@@ -60,7 +60,8 @@ class PipelineConfig(BaseModel):
     """Held-out tasks per periodic evaluation (the first this many); None: all of them, so
     every evaluation of a run scores the same tasks and the best checkpoint is chosen by the
     measure the final evaluation uses (a subset's score differs by the subset's difficulty as
-    well as by chance: ~3 points on 100 of 200 tasks, measured on the transfer families)."""
+    well as by chance: the best of a run's scores on the first 100 of 200 tasks read 3.6
+    points above the same checkpoint's on all 200, over 8 transfer runs)."""
     checkpoint_every: int = Field(default=1, ge=1)
     """Steps between checkpoints."""
     keep_checkpoints: int = Field(default=2, ge=1)
