@@ -102,6 +102,12 @@ class EvalReport(BaseModel):
     """Group id of these rollouts in the store."""
     roles: dict[str, RoleStats] = {}
     """Per-role use of the model, for agents with several roles."""
+    pass_se: float | None = None
+    """Sampling noise of the success rate of one pass over these tasks: its standard error
+    over draws of the model's samples, the tasks held fixed (estimated from the repeats of
+    each task; None with one rollout per task). Two evaluations of the same weights differ by
+    about 1.4x this, and the best of k evaluations reads high by about this times the
+    expected maximum of k standard normals."""
 
 
 def run_rollouts(
@@ -168,7 +174,22 @@ def report(
         wall_s=wall_s,
         group_id=rollouts[0].group_id or "" if rollouts else "",
         roles=role_stats(spans, len(rollouts)),
+        pass_se=pass_standard_error(rollouts, threshold),
     )
+
+
+def pass_standard_error(rollouts: list[Rollout], threshold: float = 1.0) -> float | None:
+    """The standard error of one pass's success rate, from tasks run more than once:
+    sqrt(sum_i p_i (1 - p_i)) / n, with each task's p_i (1 - p_i) estimated without bias
+    from its k successes in r repeats, k (r - k) / (r (r - 1))."""
+    wins: dict[str, list[bool]] = {}
+    for r in rollouts:
+        wins.setdefault(r.task_id, []).append((r.reward or 0.0) >= threshold)
+    repeated = [w for w in wins.values() if len(w) > 1]
+    if not repeated:
+        return None
+    var = sum(sum(w) * (len(w) - sum(w)) / (len(w) * (len(w) - 1)) for w in repeated)
+    return var**0.5 / len(repeated)
 
 
 def evaluate(
@@ -206,6 +227,10 @@ def print_report(rep: EvalReport, console: Console) -> None:
         f"{rep.reused_fraction:.1%} of prompt tokens · {rep.prefix_breaks} prefix breaks "
         f"· {rep.completion_tokens_per_s:.0f} completion tok/s"
     )
+    if rep.pass_se is not None:
+        console.print(
+            f"sampling noise of one pass over the tasks: ±{rep.pass_se:.1%} (standard error)"
+        )
     if len(rep.roles) > 1:
         for role, st in rep.roles.items():
             console.print(
