@@ -4,8 +4,9 @@ default config (the same for every family), held-out success before -> after.
 For each family (tracerl/examples/{lookup,textgame,extract,shop}) and seed: the family's
 scripted expert writes demonstrations; `tracerl sft --recipe skill-then-habit
 --skill_target 0.9` builds a weak tiny model from them (the skill to 0.9 held-out exact
-match, then a habit of skipping the tools; the skill again with a 2,000-step cap when the
-1,000-step cap comes first; cached under $TRACERL_HOME/models/); then
+match, then a habit of skipping the tools, its strength per family in HABIT_RATES; the
+skill again with a 2,000-step cap when the 1,000-step cap comes first; cached under
+$TRACERL_HOME/models/); then
 `train(TrainConfig(...))` with only the run's name, model, agent, reward and tasks given.
 Prints a line per run, then one JSON line:
 {"families": {name: {"before": [...], "after": [...], "last": [...], "best_eval": [...],
@@ -43,11 +44,20 @@ DEMOS = 4000
 TRAIN_TASKS, HELD_OUT = 2000, 200
 SKILL_CAPS = (1000, 2000)
 """The skill stage's step caps, tried in turn until one reaches the target."""
+HABIT_RATES = {"extract": 0.4}
+"""Degraded share of the habit stage where the default (0.65) left the start below the
+issue's 20-50% band: extract answers nothing right without its tool (a record's name and
+age cannot be guessed), so every skipped call is a failure; its default-rate starts read
+7.5-14.5%, and 0.4 read 31% on seed 0. Only the start is set per family; the training
+config is the same for all."""
 
 
 def weak_model(family: str, seed: int) -> Path:
     """The family's weak start for `seed`, built once (skill SFT, then the habit)."""
-    out = cache_dir() / "models" / f"transfer-{family}-seed{seed}"
+    rate = HABIT_RATES.get(family)
+    tag = "" if rate is None else f"-habit{rate}"
+    out = cache_dir() / "models" / f"transfer-{family}{tag}-seed{seed}"
+    habit_stage = HabitStage() if rate is None else HabitStage(rate=rate)
     if (out / "config.json").exists():
         return out
     raw = example_module(family, "expert").demonstrations(DEMOS, seed=1000 + seed)
@@ -56,7 +66,7 @@ def weak_model(family: str, seed: int) -> Path:
     # when that cap comes first, the skill again with the larger cap the warning asks for.
     for cap in SKILL_CAPS:
         skill_cfg = SftConfig(seed=seed, holdout=0.1, target=0.9, steps=cap)
-        skill, habit = skill_then_habit(demos, out, None, skill_cfg, HabitStage())
+        skill, habit = skill_then_habit(demos, out, None, skill_cfg, habit_stage)
         print(
             f"{family} seed {seed}: skill {skill.steps} steps (held-out exact match "
             f"{skill.held_out[-1].exact_match:.3f}), loss {skill.final_loss:.3f}; habit loss "
