@@ -298,7 +298,7 @@ def _loop(run: _Run) -> TrainSummary:
         values |= run.extra()
         every = cfg.pipeline.eval_every
         if every and report.step % every == 0 and report.step < cfg.pipeline.steps:
-            subset = run.held_out[: cfg.pipeline.eval_size or len(run.held_out)]
+            subset = run.held_out[: cfg.pipeline.eval_size]  # None: all of them
             success = run.evaluate(subset, f"eval step {report.step}")
             values |= {"eval/success": success, "eval/size": len(subset)}
             values |= guards.on_eval(report.step, success)
