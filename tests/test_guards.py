@@ -67,6 +67,18 @@ def test_entropy_falling_while_the_reward_rises_is_learning_not_a_crash() -> Non
     assert stuck.onsets == ["step 4: " + warnings[0]]
 
 
+def test_a_reward_that_rose_within_the_first_steps_counts_as_risen() -> None:
+    # The demo's first steps (seed 0): the reward rose so fast that the median of the first
+    # three (0.58) sat within reward_drop of the step-4 mean, and entropy's fall read as a
+    # crash. The rise is measured from the first step, the starting policy's reward.
+    det = CollapseDetector(GuardConfig())
+    demo = [(0.375, 0.48), (0.578, 0.197), (0.773, 0.054), (0.891, 0.023), (0.859, 0.037)]
+    for step, (reward, nll) in enumerate(demo, start=1):
+        stats = STEADY.model_copy(update={"sampled_nll": nll})
+        assert det.observe(step, reward, stats, 0.001) == []
+    assert det.onsets == []
+
+
 def test_a_held_out_drop_below_the_best_is_a_collapse() -> None:
     det = CollapseDetector(GuardConfig(success_drop=0.15))
     assert det.observe_eval(0, 0.4) == [] and det.observe_eval(5, 0.7) == []

@@ -96,7 +96,9 @@ class CollapseDetector:
     """Turns each step's numbers into warnings; `collapsed` says whether one was a drop.
 
     Baselines are the run's own: the best rolling mean of the train reward, the best
-    held-out success, the median of the first steps' entropy, KL, lengths and reward.
+    held-out success, the median of the first steps' entropy, KL and lengths, and the first
+    step's reward (the starting policy's: a fast learner's reward has already risen by the
+    third step, so a median of the first three would hide the rise).
     Warnings repeat on every step the condition holds; the log line is written once per
     kind until the condition clears, so a log stays readable (`onsets` holds those).
 
@@ -109,6 +111,7 @@ class CollapseDetector:
     cfg: GuardConfig
     _rewards: deque[float] = field(default_factory=deque)
     _best_reward: float | None = None
+    _start_reward: float | None = None
     _best_success: float | None = None
     _early: dict[str, list[float]] = field(default_factory=dict)
     _active: set[str] = field(default_factory=set)
@@ -120,9 +123,11 @@ class CollapseDetector:
 
     def observe(self, step: int, reward: float, stats: BatchStats, kl: float) -> list[str]:
         """A step's warnings: the train reward, entropy, KL and length signals."""
+        if self._start_reward is None:
+            self._start_reward = reward
         warnings = [self._reward_drop(reward)]
-        start = self._baseline("reward", reward)
-        rose = start is not None and statistics.fmean(self._rewards) - start >= self.cfg.reward_drop
+        risen = statistics.fmean(self._rewards) - self._start_reward
+        rose = len(self._rewards) >= self.cfg.window and risen >= self.cfg.reward_drop
         warnings += [
             None if rose else self._fell("entropy", stats.sampled_nll, self.cfg.entropy_ratio),
             self._fell("length", stats.completion_tokens, self.cfg.length_ratio),
