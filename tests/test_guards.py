@@ -10,7 +10,7 @@ import pytest
 from safetensors.torch import load_file
 
 from tracerl.pipeline.config import GuardConfig
-from tracerl.pipeline.guards import BatchStats, BestModel, CollapseDetector
+from tracerl.pipeline.guards import BatchStats, BestModel, CollapseDetector, failures_with_tools
 from tracerl.pipeline.preflight import check_start
 from tracerl.types import Rollout, RolloutStatus, Span
 
@@ -76,6 +76,50 @@ def test_a_reward_that_rose_within_the_first_steps_counts_as_risen() -> None:
     for step, (reward, nll) in enumerate(demo, start=1):
         stats = STEADY.model_copy(update={"sampled_nll": nll})
         assert det.observe(step, reward, stats, 0.001) == []
+    assert det.onsets == []
+
+
+def test_failures_with_tools_compares_failing_calls_with_the_successes() -> None:
+    assert failures_with_tools([2, 2, 1, 2], [True, False, False, True]) == 0.5
+    assert failures_with_tools([2, 1], [True, True]) is None  # nothing failed
+
+
+def _plateau_run(rewards: list[float], content: float) -> CollapseDetector:
+    det = CollapseDetector(GuardConfig())
+    for step, reward in enumerate(rewards, start=1):
+        stats = STEADY.model_copy(update={"failures_with_tools": content})
+        det.observe(step, reward, stats, 0.001)
+    return det
+
+
+# A demo started from a model that never learned to copy (--recipe.seed 1): RL taught the
+# tool call by step 3, then the reward sat near 0.4 for 27 steps (held out 16% -> 46.5%).
+STALLED = [0.23, 0.18, 0.42, 0.49, 0.42, 0.37, 0.41, 0.48, 0.30, 0.40, 0.33, 0.31, 0.34, 0.24]
+STALLED += [0.40, 0.37, 0.53, 0.40, 0.38, 0.44, 0.40, 0.50, 0.52, 0.41, 0.60, 0.24, 0.35]
+
+
+def test_a_reward_stalled_on_wrong_content_is_named_once() -> None:
+    det = _plateau_run(STALLED, content=1.0)
+    (onset,) = det.onsets  # one onset: the noise around the plateau is the plateau
+    assert onset.startswith("step 15: content_plateau: train reward flat at 0.33")
+    assert "SFT the skill further" in onset and not det.collapsed  # advice, not a collapse
+
+
+def test_no_plateau_warning_when_failures_skip_the_tool_or_the_reward_rose() -> None:
+    # Failures that skip the tool are a habit RL can still change: no content diagnosis.
+    assert _plateau_run(STALLED, content=0.2).onsets == []
+    # A reward that flattens high (the demo: ~0.95, its failures miscopies) is success.
+    assert _plateau_run([0.35, 0.55, 0.75, 0.9] + [0.94, 0.96] * 13, content=1.0).onsets == []
+    # A slow, steady rise is learning.
+    rising = [0.2 + 0.02 * i for i in range(30)]
+    assert _plateau_run(rising, content=1.0).onsets == []
+
+
+def test_plateau_steps_zero_turns_the_diagnosis_off() -> None:
+    det = CollapseDetector(GuardConfig(plateau_steps=0))
+    for step, reward in enumerate(STALLED, start=1):
+        stats = STEADY.model_copy(update={"failures_with_tools": 1.0})
+        det.observe(step, reward, stats, 0.001)
     assert det.onsets == []
 
 

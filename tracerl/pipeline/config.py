@@ -100,6 +100,11 @@ class GuardConfig(BaseModel):
     """Warn when KL(behaviour || current) exceeds this times its start ..."""
     kl_floor: float = Field(default=0.05, ge=0)
     """... and this absolute value (KL is ~0 in a synchronous run with one mini-batch)."""
+    plateau_steps: int = Field(default=10, ge=0)
+    """Warn (content_plateau) when the train reward's rolling mean has not risen 0.05 above
+    its earlier best for this many steps, sits below 0.8, and most failing rollouts made as
+    many model calls as the successful ones: what RL could teach is taught, and the failures
+    left are wrong content (0: off)."""
     rollback: bool = False
     """On a collapse (a train reward or held-out success drop), restore the best checkpoint
     and multiply the learning rate by `lr_factor`."""

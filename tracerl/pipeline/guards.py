@@ -10,7 +10,10 @@ Three guards, each on by default (rollback excepted) and each logged under `guar
   of the train reward or of held-out success below their best, an entropy crash while the
   reward has not risen, the KL to the behaviour policy spiking, sequence lengths
   collapsing. Each is a warning (the progress line, the log, metrics); the drops are
-  "collapse" signals.
+  "collapse" signals. One more is no collapse but a dead end: a reward that stopped
+  rising well short of success while the failures use the tools like the successes
+  (content_plateau: the start lacks the skill, which the pre-flight cannot see while a
+  habit of skipping the tool hides it).
 - `rollback` answers a collapse signal when `guard.rollback` is on: the best checkpoint's
   weights come back, the optimizer's moments are cleared (they point the way that
   collapsed), and the learning rate is multiplied by `guard.lr_factor`.
@@ -46,11 +49,19 @@ __all__ = [
     "CollapseDetector",
     "Guards",
     "batch_stats",
+    "failures_with_tools",
     "load_checkpoint_weights",
     "rollback",
 ]
 
 log = logging.getLogger("tracerl.guard")
+
+# content_plateau: a rise this small over plateau_steps is no rise; a reward this high is
+# success enough that its failures being content is no news; and this share of failures
+# using the tools like the successes (the pre-flight's line) says the content is wrong.
+PLATEAU_RISE = 0.05
+PLATEAU_BELOW = 0.8
+CONTENT_SHARE = 0.6
 
 
 class BatchStats(BaseModel):
@@ -71,10 +82,25 @@ class BatchStats(BaseModel):
     """Sampled tokens per rollout."""
     calls: float = 0.0
     """Model calls per rollout."""
+    failures_with_tools: float | None = None
+    """Among failing rollouts, the share that made at least as many model calls as the
+    successful ones do on average (`failures_with_tools`); None without both."""
 
 
-def batch_stats(groups: list[Group]) -> BatchStats:
-    """The guards' view of a batch."""
+def failures_with_tools(calls: list[int], succeeded: list[bool]) -> float | None:
+    """Among failing rollouts, the share that made at least as many model calls as the
+    successful ones do on average: wrong content rather than a skipped tool. None when
+    there are no successes or no failures to compare."""
+    won = [c for c, ok in zip(calls, succeeded, strict=True) if ok]
+    lost = [c for c, ok in zip(calls, succeeded, strict=True) if not ok]
+    if not won or not lost:
+        return None
+    typical = statistics.fmean(won)
+    return sum(c >= typical for c in lost) / len(lost)
+
+
+def batch_stats(groups: list[Group], threshold: float = 1.0) -> BatchStats:
+    """The guards' view of a batch (`threshold`: the reward that counts as success)."""
     rollouts = [f for g in groups for f in g.rollouts]
     if not rollouts:
         return BatchStats()
@@ -88,6 +114,9 @@ def batch_stats(groups: list[Group]) -> BatchStats:
         sampled_nll=-statistics.fmean(logprobs) if logprobs else None,
         completion_tokens=sum(len(s.completion_ids) for s in spans) / len(rollouts),
         calls=len(spans) / len(rollouts),
+        failures_with_tools=failures_with_tools(
+            [len(f.spans) for f in rollouts], [f.success(threshold) for f in rollouts]
+        ),
     )
 
 
@@ -112,6 +141,9 @@ class CollapseDetector:
     _rewards: deque[float] = field(default_factory=deque)
     _best_reward: float | None = None
     _start_reward: float | None = None
+    _means: list[float] = field(default_factory=list)
+    _content: deque[float] = field(default_factory=deque)
+    _plateau: float | None = None
     _best_success: float | None = None
     _early: dict[str, list[float]] = field(default_factory=dict)
     _active: set[str] = field(default_factory=set)
@@ -132,6 +164,7 @@ class CollapseDetector:
             None if rose else self._fell("entropy", stats.sampled_nll, self.cfg.entropy_ratio),
             self._fell("length", stats.completion_tokens, self.cfg.length_ratio),
             self._kl_spike(kl),
+            self._content_plateau(stats.failures_with_tools),
         ]
         return self._report(step, [w for w in warnings if w])
 
@@ -148,6 +181,8 @@ class CollapseDetector:
         """Forget the recent rewards after a rollback (they belong to the collapsed
         weights), keeping the bests to compare with."""
         self._rewards.clear()
+        self._means.clear()
+        self._plateau = None
         self.collapsed = False
 
     def _reward_drop(self, reward: float) -> str | None:
@@ -179,6 +214,36 @@ class CollapseDetector:
             return None
         return f"{kind}_crash: {kind} {base:.3g} -> {value:.3g} (below {ratio:g}x the start)"
 
+    def _content_plateau(self, content: float | None) -> str | None:
+        """The reward stalled short of success with failures that use the tools: RL has
+        taught the habits it can, and what is left is a skill the start lacks. Once seen it
+        holds until the reward rises past the plateau (noise around it is the plateau)."""
+        if len(self._rewards) >= self.cfg.window:
+            self._means.append(statistics.fmean(self._rewards))
+        if content is not None:
+            self._content.append(content)
+            if len(self._content) > self.cfg.window:
+                self._content.popleft()
+        k = self.cfg.plateau_steps
+        if not k or len(self._means) <= k or not self._content:
+            return None
+        now, wrong = self._means[-1], statistics.fmean(self._content)
+        if self._plateau is None:
+            before = max(self._means[:-k])
+            stalled = max(self._means[-k:]) - before < PLATEAU_RISE
+            if not (stalled and now < PLATEAU_BELOW and wrong >= CONTENT_SHARE):
+                return None
+            self._plateau = before
+        elif max(self._means) - self._plateau >= PLATEAU_RISE:
+            self._plateau = None
+            return None
+        return (
+            f"content_plateau: train reward flat at {now:.2f} for {k}+ steps and {wrong:.0%} "
+            "of failing rollouts made as many model calls as the successful ones: the "
+            "failures are wrong content, which RL fixes slowly (docs/recipes.md: SFT the "
+            "skill further)"
+        )
+
     def _kl_spike(self, kl: float) -> str | None:
         base = self._baseline("kl", abs(kl))
         limit = max(self.cfg.kl_floor, self.cfg.kl_ratio * (base or 0.0))
@@ -191,7 +256,7 @@ class CollapseDetector:
         kinds = {w.split(":")[0] for w in warnings}
         if not evaluation:
             self.collapsed = bool(kinds & set(drops))
-            scope = {"reward_drop", "entropy_crash", "length_crash", "kl_spike"}
+            scope = {"reward_drop", "entropy_crash", "length_crash", "kl_spike", "content_plateau"}
         else:
             self.collapsed = self.collapsed or bool(kinds & set(drops))
             scope = {"success_drop"}
@@ -290,6 +355,7 @@ class Guards:
             "guard/calls": b.calls,
             "guard/mixed_groups": b.mixed_groups,
             "guard/errors": b.errors,
+            "guard/failures_with_tools": b.failures_with_tools,
         }
         return values | {f"guard/{w.split(':')[0]}": 1.0 for w in self.last}
 

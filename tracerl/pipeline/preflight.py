@@ -23,6 +23,7 @@ from collections import defaultdict
 from pydantic import BaseModel, ConfigDict
 
 from tracerl.evaluate import run_rollouts
+from tracerl.pipeline.guards import failures_with_tools
 from tracerl.pipeline.sources import Agents
 from tracerl.store import Store
 from tracerl.types import HAS_OUTCOME, Rollout, Span, Task
@@ -76,17 +77,6 @@ def _near(span: Span, max_context: int) -> bool:
     return span.finish_reason == "length" or used >= NEAR_CONTEXT * max_context
 
 
-def _failures_with_tools(
-    rollouts: list[Rollout], calls: dict[str, int], threshold: float
-) -> float | None:
-    won = [calls[r.id] for r in rollouts if (r.reward or 0.0) >= threshold]
-    lost = [calls[r.id] for r in rollouts if (r.reward or 0.0) < threshold]
-    if not won or not lost:
-        return None
-    typical = statistics.fmean(won)
-    return sum(c >= typical for c in lost) / len(lost)
-
-
 def check_start(
     rollouts: list[Rollout], spans: list[Span], max_context: int, threshold: float
 ) -> PreflightReport:
@@ -107,7 +97,9 @@ def check_start(
         mixed_groups=sum(len(set(v)) > 1 for v in by_task.values()) / max(len(by_task), 1),
         errors=sum(_errored(r) for r in rollouts) / n,
         near_context=sum(_near(s, max_context) for s in spans) / max(len(spans), 1),
-        failures_with_tools=_failures_with_tools(rollouts, calls, threshold),
+        failures_with_tools=failures_with_tools(
+            [calls[r.id] for r in rollouts], [(r.reward or 0.0) >= threshold for r in rollouts]
+        ),
         warnings=[],
     )
     return report.model_copy(update={"warnings": _warnings(report, rewards)})

@@ -263,7 +263,12 @@ def train(
             source, stack.store, policies, cfg.algorithm.build(), curation, checkpoints,
             cfg.pipeline, cfg.success_threshold,
         )  # fmt: skip
-        guards = Guards(cfg.guard, run_dir, pipeline)
+        guard = cfg.guard
+        if cfg.curation.dynamic_sampling:
+            # Its batches hold mixed groups only: their reward sits mid-way by construction,
+            # a plateau that says nothing about the policy.
+            guard = guard.model_copy(update={"plateau_steps": 0})
+        guards = Guards(guard, run_dir, pipeline)
         run = _Run(
             cfg, run_dir, stack, log, agents, source, pipeline, held_out, train_tasks, guards,
             started,

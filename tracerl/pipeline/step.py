@@ -221,5 +221,5 @@ class Pipeline:
             policies=per_policy,
             frozen_rows=sum(r.role not in trained_roles for r in rows),
             role_rows=dict(Counter(r.role for r in rows)),
-            batch=batch_stats(groups),
+            batch=batch_stats(groups, self.success_threshold),
         )
