@@ -17,7 +17,7 @@ from transformers import AutoModelForCausalLM
 
 from tracerl.agents import python_agent
 from tracerl.algorithms.config import AlgorithmConfig
-from tracerl.pipeline.config import PipelineConfig, TrainConfig
+from tracerl.pipeline.config import GuardConfig, PipelineConfig, TrainConfig
 from tracerl.pipeline.run import train
 from tracerl.roles import RoleConfig, remote_roles
 from tracerl.runner import RunnerConfig
@@ -67,6 +67,10 @@ def _cfg(tmp: Path, model: Path, roles: dict[str, RoleConfig], **trainer: object
         pipeline=PipelineConfig(steps=1, tasks_per_step=2, group_size=2, eval_every=0),
         trainer=TrainerConfig(lr=1e-3, **trainer),  # type: ignore[arg-type]
         runner=RunnerConfig(concurrency=4),
+        # These runs are about which rows reach which trainer, not about learning: the
+        # untrained model's answers get an arbitrary reward (`reward` above) that can be 0 on
+        # all 8 pre-flight rollouts, and the check that refuses such a start would stop them.
+        guard=GuardConfig(preflight=False),
     )
 
 
@@ -150,9 +154,6 @@ def test_aligned_role_gets_the_same_rows_from_every_rollout(
     cfg = _cfg(tmp_path, tiny_model_dir, roles)
     cfg.algorithm = AlgorithmConfig(align={"executor": 2})
     cfg.pipeline = PipelineConfig(steps=1, tasks_per_step=4, group_size=2, eval_every=0)
-    # The untrained model never answers right: the check that refuses a reward that is 0
-    # everywhere would stop this run, which is about the rows, not about learning.
-    cfg.guard = cfg.guard.model_copy(update={"preflight": False})
     handed: list[list[Transition]] = []
     original = Trainer.train
 
