@@ -142,6 +142,7 @@ class CollapseDetector:
     _best_reward: float | None = None
     _start_reward: float | None = None
     _means: list[float] = field(default_factory=list)
+    """The train reward's rolling mean after each step whose window was full."""
     _content: deque[float] = field(default_factory=deque)
     _plateau: float | None = None
     _best_success: float | None = None
@@ -158,8 +159,7 @@ class CollapseDetector:
         if self._start_reward is None:
             self._start_reward = reward
         warnings = [self._reward_drop(reward)]
-        risen = statistics.fmean(self._rewards) - self._start_reward
-        rose = len(self._rewards) >= self.cfg.window and risen >= self.cfg.reward_drop
+        rose = bool(self._means) and self._means[-1] - self._start_reward >= self.cfg.reward_drop
         warnings += [
             None if rose else self._fell("entropy", stats.sampled_nll, self.cfg.entropy_ratio),
             self._fell("length", stats.completion_tokens, self.cfg.length_ratio),
@@ -192,6 +192,7 @@ class CollapseDetector:
         if len(self._rewards) < self.cfg.window:
             return None
         now = statistics.fmean(self._rewards)
+        self._means.append(now)
         best = self._best_reward
         self._best_reward = now if best is None else max(best, now)
         if best is not None and best - now >= self.cfg.reward_drop:
@@ -218,8 +219,6 @@ class CollapseDetector:
         """The reward stalled short of success with failures that use the tools: RL has
         taught the habits it can, and what is left is a skill the start lacks. Once seen it
         holds until the reward rises past the plateau (noise around it is the plateau)."""
-        if len(self._rewards) >= self.cfg.window:
-            self._means.append(statistics.fmean(self._rewards))
         if content is not None:
             self._content.append(content)
             if len(self._content) > self.cfg.window:
