@@ -6,11 +6,12 @@ import os
 from pathlib import Path
 from typing import Any
 
-from tracerl.demo import write_calculator_tasks
+from tracerl.demo import CalculatorRecipe, write_calculator_tasks
 from tracerl.examples import example_file
 from tracerl.pipeline.config import TrainConfig
 
-MODEL = "calculator-tiny-skill1000-lazy0.65x150at0.0002-n4000-seed0"
+# The demo's own recipe, so the cluster trains whatever model `make demo` builds.
+MODEL = CalculatorRecipe().name()
 
 
 def calculator_config(runs: Path, name: str, **over: Any) -> TrainConfig:
