@@ -154,6 +154,11 @@ class CollapseDetector:
     """Each warning as it first appeared (again after its condition cleared), with its
     step: what the log shows and the run's summary lists."""
 
+    def __post_init__(self) -> None:
+        # Both windows hold the last `window` steps; a full deque drops its oldest itself.
+        self._rewards = deque(maxlen=self.cfg.window)
+        self._content = deque(maxlen=self.cfg.window)
+
     def observe(self, step: int, reward: float, stats: BatchStats, kl: float) -> list[str]:
         """A step's warnings: the train reward, entropy, KL and length signals."""
         if self._start_reward is None:
@@ -187,8 +192,6 @@ class CollapseDetector:
 
     def _reward_drop(self, reward: float) -> str | None:
         self._rewards.append(reward)
-        if len(self._rewards) > self.cfg.window:
-            self._rewards.popleft()
         if len(self._rewards) < self.cfg.window:
             return None
         now = statistics.fmean(self._rewards)
@@ -221,8 +224,6 @@ class CollapseDetector:
         holds until the reward rises past the plateau (noise around it is the plateau)."""
         if content is not None:
             self._content.append(content)
-            if len(self._content) > self.cfg.window:
-                self._content.popleft()
         k = self.cfg.plateau_steps
         if not k or len(self._means) <= k or not self._content:
             return None

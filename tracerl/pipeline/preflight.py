@@ -88,18 +88,17 @@ def check_start(
     for s in spans:
         calls[s.rollout_id] += 1
     rewards = [r.reward or 0.0 for r in rollouts]
+    won = [x >= threshold for x in rewards]
     n = max(len(rollouts), 1)
     report = PreflightReport(
         groups=len(by_task),
         rollouts=len(rollouts),
         mean_reward=statistics.fmean(rewards) if rewards else 0.0,
-        success=sum(x >= threshold for x in rewards) / n,
+        success=sum(won) / n,
         mixed_groups=sum(len(set(v)) > 1 for v in by_task.values()) / max(len(by_task), 1),
         errors=sum(_errored(r) for r in rollouts) / n,
         near_context=sum(_near(s, max_context) for s in spans) / max(len(spans), 1),
-        failures_with_tools=failures_with_tools(
-            [calls[r.id] for r in rollouts], [(r.reward or 0.0) >= threshold for r in rollouts]
-        ),
+        failures_with_tools=failures_with_tools([calls[r.id] for r in rollouts], won),
         warnings=[],
     )
     return report.model_copy(update={"warnings": _warnings(report, rewards)})
