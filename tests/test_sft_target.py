@@ -3,6 +3,7 @@ and `tracerl sft --skill_target` saying when the cap came first."""
 
 from __future__ import annotations
 
+import importlib
 import json
 from pathlib import Path
 
@@ -15,6 +16,7 @@ from tracerl.entrypoints.config import SftCommand
 from tracerl.entrypoints.sft import main as sft_main
 from tracerl.models import Demo, SftConfig, build_tiny_model, render_chat, sft
 from tracerl.models.sft import EncodedDemo, SftResult, exact_match, split_holdout
+from tracerl.precision import choose_precision
 
 COLORS = {"sky": "blue", "grass": "green", "snow": "white", "coal": "black"}
 # Learnable in a few dozen steps: the answer depends on the question, from a small table.
@@ -115,3 +117,55 @@ def test_cli_holdout_without_a_target_scores_every_check_and_trains_every_step(
     assert (result.steps, result.target, result.target_reached) == (4, None, None)
     assert [c.step for c in result.held_out] == [2, 4]
     assert "sft: held-out exact match" in console.export_text()
+
+
+def _weights(out: Path) -> dict[str, torch.Tensor]:
+    return AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).state_dict()
+
+
+def test_an_interrupted_sft_resumes_to_the_same_weights(
+    base_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Killed after its step-10 checkpoint, a resumed run ends where an uninterrupted run
+    ends: same weights, losses and checks; a finished run is not trained again."""
+    cfg = FAST.model_copy(update={"steps": 16, "holdout": 0.2, "checkpoint_every": 5})
+    whole = sft(base_dir, DEMOS, tmp_path / "whole", cfg)
+    sft_module = importlib.import_module("tracerl.models.sft")
+    real_step, calls = sft_module._step, []
+
+    def dying_step(*args: object, **kwargs: object) -> float:
+        calls.append(1)
+        if len(calls) == 13:
+            raise KeyboardInterrupt
+        return real_step(*args, **kwargs)
+
+    monkeypatch.setattr(sft_module, "_step", dying_step)
+    with pytest.raises(KeyboardInterrupt):
+        sft(base_dir, DEMOS, tmp_path / "cut", cfg)
+    monkeypatch.setattr(sft_module, "_step", real_step)
+    assert (tmp_path / "cut" / ".sft-checkpoint" / "state.json").exists()
+    resumed = sft(base_dir, DEMOS, tmp_path / "cut", cfg, resume=True)
+    assert resumed.resumed_at == 10 and resumed.steps == 16
+    assert resumed.losses == whole.losses and resumed.held_out == whole.held_out
+    a, b = _weights(tmp_path / "whole"), _weights(tmp_path / "cut")
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    assert not (tmp_path / "cut" / ".sft-checkpoint").exists()
+    again = sft(base_dir, DEMOS, tmp_path / "cut", cfg, resume=True)
+    assert again.losses == resumed.losses  # read back, not retrained
+    with pytest.raises(ValueError, match="other settings.*lr"):
+        sft(base_dir, DEMOS, tmp_path / "cut", cfg.model_copy(update={"lr": 1e-3}), resume=True)
+
+
+def test_sft_says_its_plan_and_records_its_precision(base_dir: Path, tmp_path: Path) -> None:
+    lines: list[str] = []
+    cfg = FAST.model_copy(update={"steps": 12, "holdout": 0.2, "target": 1.0})
+    result = sft(base_dir, DEMOS, tmp_path / "out", cfg, say=lines.append)
+    text = "\n".join(lines)
+    assert "32 examples trained on, 8 held out (scored every 5 steps)" in text
+    assert "batch 8, until held-out exact match >= 1, at most 12 steps" in text
+    assert "constant (the 12-step cap does not shape it)" in text
+    assert "precision: " in text and "s a step here" in text
+    expected = choose_precision("auto", "cpu")
+    assert (result.precision, result.precision_reason) == (expected.name, expected.line())
+    saved = SftResult.model_validate_json((tmp_path / "out" / "sft.json").read_text())
+    assert saved.precision == expected.name and saved.train_examples == 32

@@ -176,24 +176,33 @@ class SftCommand(Command):
     from_traces: str | None = Field(default=None, alias="from-traces")
     """Train on recorded traces instead: a store file or run dir. Each rollout's calls are
     merged per role into rows as RL does; the loss falls on the sampled ids only, never
-    re-tokenized. Needs --base (the tokenizer that made the ids). On a run's own store with
-    --filter 'reward >= 1' this is rejection-sampling fine-tuning."""
-    filter: str = ""
+    re-tokenized. Needs --base (the tokenizer that made the ids)."""
+    filter: str | None = None
     """With --from-traces: which rollouts and calls, e.g. 'reward >= 1 and role == executor'
-    (fields reward, noise, status, split, task, role, version; tracerl/export/filter.py)."""
+    (fields reward, noise, status, split, task, role, version; tracerl/export/filter.py).
+    Default: the rollouts that succeeded (reward at or above --success_threshold), so a
+    failure is never imitated unless asked for ('status != "queued"' takes every one)."""
+    success_threshold: float = 1.0
+    """With --from-traces and no --filter: the reward at or above which a rollout counts as
+    a success (a run's own threshold)."""
     out: str
     """Output HF model directory."""
     base: str | None = None
-    """Local HF model dir to start from; default: build a new tiny model on the demos."""
-    steps: int | None = Field(default=None, ge=1)
-    """Optimizer steps (default: 1000; with skill-then-habit, of the skill stage)."""
+    """Local HF model dir to start from (one you trained, one `tracerl models get` built, or
+    any Hugging Face model on disk). Left out: a new tiny model is built, its tokenizer
+    trained on the demos' text, and saved beside the output as <out>-base."""
+    steps: int = Field(default=1000, ge=1)
+    """Optimizer steps to train; with --skill_target the cap, a safety limit only: the
+    schedule is constant after warm-up then, so a larger cap changes nothing before it."""
+    batch_size: int = Field(default=16, ge=1)
+    """Conversations per optimizer step."""
+    lr: float = Field(default=2e-3, gt=0)
+    """Peak learning rate: 2e-3 suits the new tiny model; a pretrained model wants about 1e-5
+    for full fine-tuning."""
     stop_loss: float | None = None
-    """Stop early once the running loss is below this (default: never)."""
-    lr: float | None = Field(default=None, gt=0)
-    """Peak learning rate (default: 2e-3, for the tiny model; a pretrained model wants
-    about 1e-5)."""
+    """Stop early once the running loss is below this (unset: never)."""
     seed: int = 0
-    """Seed."""
+    """Seed of the data order and of the held-out share."""
     recipe: Literal["plain", "skill-then-habit"] = "plain"
     """'plain': one SFT. 'skill-then-habit': the skill on the clean demos into <out>-skill,
     then a short gentle SFT into <out> where habit_rate of the demos are made to skip their
@@ -205,16 +214,33 @@ class SftCommand(Command):
     habit_lr: float = Field(default=2e-4, gt=0)
     """skill-then-habit: peak learning rate of the habit stage."""
     skill_target: float | None = Field(default=None, gt=0, le=1)
-    """Train until held-out exact match reaches this (the skill stage of skill-then-habit,
-    or the one SFT of plain); --steps becomes the cap. Exact match: the share of held-out
-    demos whose every assistant token is the model's top choice given the demo before it,
-    so greedy decoding copies every tool call and the final answer."""
-    holdout: float | None = Field(default=None, gt=0, lt=1)
-    """Share of the demos held out (chosen by --seed) and scored by exact match every
-    --eval_every steps, the scores printed and kept in <out>/sft.json (default: 0.1 with
-    --skill_target, none without; without a target every step is trained)."""
+    """Train until the held-out score reaches this (the skill stage of skill-then-habit, or
+    the one SFT of plain); --steps becomes the cap. The score (--target_metric) is exact
+    match by default: the share of held-out demos whose every assistant token is the
+    model's top choice given the demo before it, so greedy decoding copies every tool call
+    and the final answer. It stays near 0 until the model learns to copy (a few hundred
+    steps for the calculator), then rises within a few checks."""
+    target_metric: Literal["exact", "sampled"] = "exact"
+    """What --skill_target is about: 'exact' (greedy decoding copies a demo whole) or
+    'sampled' (the mean probability that sampling at temperature 1 does; stricter)."""
+    holdout: float = Field(default=0.1, gt=0, lt=1)
+    """Share of the demos held out (chosen by --seed) and scored every --eval_every steps,
+    the scores printed and kept in <out>/sft.json: always with --skill_target; without one,
+    only when this flag is given (every step is then trained)."""
     eval_every: int = Field(default=50, ge=1)
     """With a holdout: steps between held-out checks."""
+    bf16: Literal["auto"] | bool = "auto"
+    """bf16 autocast: auto (only where the hardware computes bf16 natively: a CUDA GPU that
+    supports it, a CPU with AVX512-BF16 or AMX; fp32 elsewhere), true or false."""
+    device: str = "cpu"
+    """Where to train: cpu, cuda, cuda:1, ..."""
+    threads: int | None = Field(default=None, ge=1)
+    """torch CPU threads (unset: torch's default, the machine's cores)."""
+    checkpoint_every: int = Field(default=100, ge=0)
+    """Steps between checkpoints (in <out>/.sft-checkpoint; 0: none)."""
+    resume: bool = False
+    """Continue an interrupted run from its last checkpoint (same flags); stages already
+    finished are kept."""
 
 
 class TracesShow(Command):

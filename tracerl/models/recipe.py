@@ -27,7 +27,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, JsonValue
 
-from tracerl.models.sft import Demo, SftConfig, SftResult, sft, sft_new_or_base
+from tracerl.models.sft import Demo, Say, SftConfig, SftResult, sft, sft_new_or_base
 
 __all__ = ["HabitStage", "corrupt", "degrade", "skill_then_habit"]
 
@@ -85,12 +85,16 @@ def _ignore(stage: str, result: SftResult) -> None:
 def skill_then_habit(
     demos: list[Demo], out_dir: str | Path, base_dir: str | Path | None, skill: SftConfig,
     habit: HabitStage, on_stage: Callable[[str, SftResult], None] = _ignore,
+    resume: bool = False, say: Say | None = None,
 ) -> tuple[SftResult, SftResult]:  # fmt: skip
     """Stage one into <out_dir>-skill, stage two from it into `out_dir`; `on_stage` hears
     of each ("skill", then "habit") as it ends. The habit stage mixes all `demos`, held-out
-    ones included: only the skill stage is scored."""
+    ones included: only the skill stage is scored. With `resume` a finished stage is kept
+    and an interrupted one continues from its checkpoint."""
     out = Path(out_dir)
-    skilled = sft_new_or_base(demos, out.with_name(out.name + "-skill"), base_dir, skill)
+    skilled = sft_new_or_base(
+        demos, out.with_name(out.name + "-skill"), base_dir, skill, resume=resume, say=say
+    )
     on_stage("skill", skilled)
     rng = random.Random(skill.seed + 1)
     mixed = [degrade(d, rng) if rng.random() < habit.rate else d for d in demos]
@@ -98,6 +102,6 @@ def skill_then_habit(
         update={"steps": habit.steps, "lr": habit.lr, "stop_loss": None, "holdout": 0.0,
                 "target": None}
     )  # fmt: skip
-    habituated = sft(skilled.out_dir, mixed, out, cfg)
+    habituated = sft(skilled.out_dir, mixed, out, cfg, resume=resume, say=say)
     on_stage("habit", habituated)
     return skilled, habituated

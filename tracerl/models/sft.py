@@ -8,10 +8,14 @@ would hand the trainer. Works for any local HF model dir whose template is prefi
 
 Examples that already are ids (`EncodedDemo`: recorded traces, ADP with its token ids)
 skip rendering and are trained on as they are (`tracerl sft --from-traces`). The records,
-their loading and their encoding live in tracerl.models.demos.
+their loading and their encoding live in tracerl.models.demos; checkpoints and resuming in
+tracerl.models.sft_state.
 
 With `holdout` a seeded share of the examples is kept out of training and scored every
-`eval_every` steps by `exact_match`; with `target` training stops once that score reaches it.
+`eval_every` steps (`score_held_out`); with `target` training stops once that score reaches
+it, and `steps` is only a cap that the learning-rate schedule does not depend on. The loss
+and the scores come from `target_logprobs`, which never materialises a big vocabulary's
+full logits.
 """
 
 from __future__ import annotations
@@ -19,17 +23,14 @@ from __future__ import annotations
 import math
 import random
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import Literal
 
 import torch
 from pydantic import Field
 from tqdm import tqdm
-from transformers import (
-    AutoModelForCausalLM,
-    AutoTokenizer,
-    get_cosine_schedule_with_warmup,
-)
+from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from tracerl.models.demos import (
     Demo,
@@ -41,8 +42,11 @@ from tracerl.models.demos import (
     load_demos,
     pad_token_id,
 )
+from tracerl.models.heads import target_logprobs
+from tracerl.models.sft_state import Checkpointer, HeldOutCheck, SftState
 from tracerl.models.template import render_chat
 from tracerl.models.tiny import TinyModelConfig, build_tiny_model
+from tracerl.precision import Bf16Setting, Precision, choose_precision
 
 __all__ = [
     "Demo",
@@ -55,58 +59,69 @@ __all__ = [
     "exact_match",
     "load_demos",
     "mean_loss",
+    "score_held_out",
     "sft",
     "sft_new_or_base",
     "split_holdout",
 ]
+
+Say = Callable[[str], None]
+"""Where `sft` says what it does (a console's print, or nothing)."""
 
 
 class SftConfig(_Record):
     """How to fine-tune."""
 
     steps: int = Field(default=1000, ge=1)
-    """Optimizer steps at most; the learning-rate schedule spans this many."""
+    """Optimizer steps. Without a `target`, the steps trained, which the cosine schedule
+    spans. With a `target`, only a cap (a safety limit): the schedule does not depend on it."""
     stop_loss: float | None = None
     """Stop once the mean loss of the last log_every steps is below this; None trains
     all `steps`."""
     holdout: float = Field(default=0.0, ge=0.0, lt=1.0)
-    """Share of the examples kept out of training (chosen with `seed`) and scored by
-    `exact_match` every eval_every steps and at the end; 0 holds none out."""
+    """Share of the examples kept out of training (chosen with `seed`) and scored every
+    eval_every steps and at the end; 0 holds none out."""
     target: float | None = Field(default=None, gt=0.0, le=1.0)
-    """Stop at the first check whose held-out exact match is at least this (needs a
-    holdout); `steps` is then the cap. None trains all `steps`."""
+    """Stop at the first check whose held-out score (`target_metric`) is at least this
+    (needs a holdout); `steps` is then the cap. None trains all `steps`."""
+    target_metric: Literal["exact", "sampled"] = "exact"
+    """The held-out score `target` is about: 'exact', the share of held-out examples whose
+    every assistant token is the model's top choice (greedy decoding copies them); or
+    'sampled', the mean probability that sampling at temperature 1 copies an example whole
+    (what an agent sampling at temperature 1 gets; stricter)."""
     eval_every: int = Field(default=50, ge=1)
     """Steps between held-out checks."""
-    batch_size: int = 16
+    batch_size: int = Field(default=16, ge=1)
     """Conversations per step."""
-    lr: float = 2e-3
+    lr: float = Field(default=2e-3, gt=0)
     """Peak learning rate (AdamW); 3e-3 already makes the tiny model's runs erratic."""
-    warmup: int = 10
-    """Steps of linear warmup before cosine decay to zero."""
+    warmup: int = Field(default=10, ge=0)
+    """Steps of linear warmup. Then: cosine decay to zero over `steps` without a target;
+    a constant rate with one (so a larger cap changes nothing before it is reached)."""
     weight_decay: float = 0.01
     """AdamW decoupled weight decay."""
     grad_clip: float = 1.0
     """Max global gradient norm."""
-    max_len: int = 256
+    max_len: int = Field(default=256, ge=2)
     """Conversations are truncated to this many tokens."""
     seed: int = 0
-    """Seed of the data order."""
-    bf16: bool = True
-    """bf16 autocast for forward/backward (weights stay fp32): 1.1-1.35x the tokens/s of
-    fp32 for the tiny model on one thread of this AVX512-BF16 CPU (bench/sft_curve.py)."""
-    log_every: int = 10
+    """Seed of the data order (and of the holdout)."""
+    bf16: Bf16Setting = "auto"
+    """bf16 autocast for forward/backward (weights stay fp32): 'auto' where the device does
+    bf16 natively (a CUDA GPU that supports it, a CPU with AVX512-BF16 or AMX), else fp32.
+    On an AVX2 CPU bf16 is emulated and ~30x slower (tracerl.precision)."""
+    device: str = "cpu"
+    """Where to train: 'cpu', 'cuda', 'cuda:1', ..."""
+    threads: int | None = Field(default=None, ge=1)
+    """torch CPU threads; None keeps torch's default (the machine's cores)."""
+    checkpoint_every: int = Field(default=100, ge=0)
+    """Steps between checkpoints in <out>/.sft-checkpoint (weights, optimizer, schedule,
+    step, scores), so an interrupted run resumes (`resume`); 0 never checkpoints."""
+    log_every: int = Field(default=10, ge=1)
     """Steps between progress-bar loss updates; final_loss averages the last this many."""
     progress: bool = True
-    """Show a tqdm progress bar."""
-
-
-class HeldOutCheck(_Record):
-    """One score of the held-out examples during training."""
-
-    step: int
-    """Optimizer steps taken when scored."""
-    exact_match: float
-    """Share of the held-out examples copied exactly (`exact_match`)."""
+    """Show a tqdm progress bar and say what the run does (data, schedule, precision, the
+    expected time once the first steps are timed)."""
 
 
 class SftResult(_Record):
@@ -124,15 +139,29 @@ class SftResult(_Record):
     """Loss of every step, in order."""
     wall_s: float
     """Wall time of the training loop, held-out checks included (loading and saving
-    excluded)."""
+    excluded; across resumes, the sum of each part's)."""
     tokens_per_s: float
     """Non-padding tokens trained on per second (held-out checks excluded)."""
     held_out: list[HeldOutCheck] = Field(default_factory=list)
-    """Held-out exact match at each check, in order; empty without a holdout."""
+    """Held-out scores at each check, in order; empty without a holdout."""
     target: float | None = None
-    """cfg.target: the held-out exact match that was to end training; None without one."""
+    """cfg.target: the held-out score that was to end training; None without one."""
+    target_metric: str = "exact"
+    """cfg.target_metric: which score `target` was about."""
     target_reached: bool | None = None
     """Whether a check reached `target` before the step cap; None without a target."""
+    precision: str = "fp32"
+    """'bf16' (autocast) or 'fp32', as chosen from cfg.bf16 and the hardware."""
+    precision_reason: str = ""
+    """Why: the line the run printed (e.g. 'precision: fp32 (CPU has AVX2 only; ...)')."""
+    device: str = "cpu"
+    """The device trained on."""
+    train_examples: int = 0
+    """Examples trained on."""
+    held_out_examples: int = 0
+    """Examples held out and scored."""
+    resumed_at: int | None = None
+    """The step a checkpoint resumed this run from; None when it ran from the start."""
 
 
 def _order(n: int, steps: int, batch_size: int, seed: int) -> list[list[int]]:
@@ -146,6 +175,29 @@ def _order(n: int, steps: int, batch_size: int, seed: int) -> list[list[int]]:
     return [flat[s * batch_size : (s + 1) * batch_size] for s in range(steps)]
 
 
+def _lr_factor(cfg: SftConfig) -> Callable[[int], float]:
+    """The schedule: warmup, then cosine to zero over `steps` (no target) or constant (a
+    target, where `steps` is only a cap)."""
+
+    def factor(step: int) -> float:
+        if step < cfg.warmup:
+            return (step + 1) / cfg.warmup
+        if cfg.target is not None:
+            return 1.0
+        progress = (step - cfg.warmup) / max(1, cfg.steps - cfg.warmup)
+        return 0.5 * (1.0 + math.cos(math.pi * min(1.0, progress)))
+
+    return factor
+
+
+def schedule_words(cfg: SftConfig) -> str:
+    """The schedule in words, for the run's header."""
+    warm = f"{cfg.warmup} warmup steps, then " if cfg.warmup else ""
+    if cfg.target is not None:
+        return f"{warm}constant (the {cfg.steps}-step cap does not shape it)"
+    return f"{warm}cosine to 0 over {cfg.steps} steps"
+
+
 @torch.no_grad()
 def mean_loss(model_dir: str | Path, demos: Sequence[Demo | EncodedDemo], max_len: int) -> float:
     """Mean loss per masked token of the model in `model_dir` over `demos` (fp32)."""
@@ -154,9 +206,9 @@ def mean_loss(model_dir: str | Path, demos: Sequence[Demo | EncodedDemo], max_le
     total, count = 0.0, 0
     for e in encode_all(tokenizer, demos):
         ids_BT, attn_BT, labels_BT = collate([e], pad_token_id(tokenizer), max_len)
-        n = int((labels_BT[:, 1:] != -100).sum())  # the first token is never a target
-        total += model(input_ids=ids_BT, attention_mask=attn_BT, labels=labels_BT).loss.item() * n
-        count += n
+        logp_N = target_logprobs(model, ids_BT, attn_BT, labels_BT).logp_N
+        total -= float(logp_N.sum())
+        count += logp_N.numel()
     return total / max(count, 1)
 
 
@@ -174,6 +226,43 @@ def split_holdout(examples: Sequence, share: float, seed: int) -> tuple[list, li
 
 
 @torch.no_grad()
+def score_held_out(
+    model: torch.nn.Module,
+    encoded: Sequence[EncodedDemo],
+    pad_id: int,
+    max_len: int,
+    batch_size: int = 64,
+) -> tuple[float, float]:
+    """(exact, sampled) over `encoded`, teacher-forced in fp32.
+
+    exact: the share of examples whose every loss-mask token is the model's argmax given
+    the ids before it. An example scores 1 exactly when greedy decoding, fed the example's
+    own non-assistant turns (tool results, user turns), would write its assistant turns
+    token for token: every tool call and the final answer copied.
+    sampled: the mean over examples of exp(sum of their masked tokens' log-probs), the
+    probability that sampling at temperature 1 writes the same assistant turns.
+    Ids past `max_len` are not scored; an example with nothing masked scores 1."""
+    if not encoded:
+        raise ValueError("no examples to score")
+    was_training = model.training
+    model.eval()
+    device = next(model.parameters()).device
+    copied, sampled = 0.0, 0.0
+    for i in range(0, len(encoded), batch_size):
+        batch = collate(list(encoded[i : i + batch_size]), pad_id, max_len)
+        ids_BT, attn_BT, labels_BT = (t.to(device) for t in batch)
+        scores = target_logprobs(model, ids_BT, attn_BT, labels_BT)
+        rows = ids_BT.shape[0]
+        wrong_B = torch.zeros(rows, device=device).index_add_(
+            0, scores.row_N, (~scores.top_N).float()
+        )
+        logp_B = torch.zeros(rows, device=device).index_add_(0, scores.row_N, scores.logp_N)
+        copied += float((wrong_B == 0).sum())
+        sampled += float(logp_B.exp().sum())
+    model.train(was_training)
+    return copied / len(encoded), sampled / len(encoded)
+
+
 def exact_match(
     model: torch.nn.Module,
     encoded: Sequence[EncodedDemo],
@@ -181,26 +270,8 @@ def exact_match(
     max_len: int,
     batch_size: int = 64,
 ) -> float:
-    """Share of `encoded` whose every loss-mask token is the model's argmax given the ids
-    before it (teacher forcing, fp32).
-
-    An example scores 1 exactly when greedy decoding, fed the example's own non-assistant
-    turns (tool results, user turns), would write its assistant turns token for token: every
-    tool call and the final answer copied. Ids past `max_len` are not scored; an example
-    with nothing masked scores 1. One forward pass per `batch_size` examples."""
-    if not encoded:
-        raise ValueError("no examples to score")
-    was_training = model.training
-    model.eval()
-    copied = 0
-    for i in range(0, len(encoded), batch_size):
-        ids_BT, attn_BT, labels_BT = collate(list(encoded[i : i + batch_size]), pad_id, max_len)
-        logits_BTV = model(input_ids=ids_BT, attention_mask=attn_BT).logits
-        # Position t predicts token t+1; only masked targets must match.
-        wrong_BT = (logits_BTV[:, :-1].argmax(-1) != ids_BT[:, 1:]) & (labels_BT[:, 1:] != -100)
-        copied += int((~wrong_BT.any(dim=1)).sum())
-    model.train(was_training)
-    return copied / len(encoded)
+    """The share of `encoded` greedy decoding would copy whole (`score_held_out`'s exact)."""
+    return score_held_out(model, encoded, pad_id, max_len, batch_size)[0]
 
 
 def _step(
@@ -209,17 +280,21 @@ def _step(
     schedule: torch.optim.lr_scheduler.LRScheduler,
     batch: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
     cfg: SftConfig,
+    bf16: bool,
 ) -> float:
-    """One optimizer step on a collated batch; its loss."""
-    ids_BT, attn_BT, labels_BT = batch
-    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=cfg.bf16):
-        loss = model(input_ids=ids_BT, attention_mask=attn_BT, labels=labels_BT).loss
+    """One optimizer step on a collated batch; its loss (mean over the masked tokens)."""
+    logp_N = target_logprobs(model, *batch, bf16=bf16).logp_N
+    loss = -logp_N.mean() if logp_N.numel() else logp_N.sum()
     loss.backward()
     torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
     optimizer.step()
     schedule.step()
     optimizer.zero_grad(set_to_none=True)
-    return loss.item()
+    return float(loss.detach())
+
+
+def _ignore(line: str) -> None:
+    pass
 
 
 def sft(
@@ -227,74 +302,171 @@ def sft(
     demos: Sequence[Demo | EncodedDemo],
     out_dir: str | Path,
     cfg: SftConfig | None = None,
+    resume: bool = False,
+    say: Say | None = None,
 ) -> SftResult:
     """Fine-tune the HF model in `base_dir` on `demos` and save model + tokenizer to `out_dir`
-    (with cfg.holdout, on the demos it does not hold out)."""
+    (with cfg.holdout, on the demos it does not hold out).
+
+    resume: continue from `out_dir`'s checkpoint when there is one (ValueError when it was
+    made with other settings), and return the finished result when `out_dir` already holds
+    one of these settings. `say` hears the run's header and timing (default: printed when
+    cfg.progress)."""
     cfg = cfg or SftConfig()
     if not demos:
         raise ValueError("no demonstrations")
     if cfg.target is not None and cfg.holdout <= 0:
         raise ValueError("a held-out target needs a holdout share above 0")
+    say = say or (tqdm.write if cfg.progress else _ignore)
+    out = Path(out_dir)
+    checkpointer = Checkpointer(out, cfg.model_dump_json(exclude={"progress"}))
+    if resume and (done := checkpointer.finished()) is not None:
+        say(f"sft: {out} is already trained with these settings ({done.steps} steps)")
+        return SftResult.model_validate_json(done.model_dump_json())
+    if cfg.threads is not None:
+        torch.set_num_threads(cfg.threads)
+    precision = choose_precision(cfg.bf16, cfg.device)
     tokenizer = AutoTokenizer.from_pretrained(base_dir)
     model = AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32)
-    pad_id = pad_token_id(tokenizer)
+    model.to(torch.device(cfg.device))  # type: ignore[arg-type]
     encoded, held = split_holdout(encode_all(tokenizer, demos), cfg.holdout, cfg.seed)
     optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
-    schedule = get_cosine_schedule_with_warmup(optimizer, cfg.warmup, cfg.steps)
-    model.train()
-    losses: list[float] = []
-    checks: list[HeldOutCheck] = []
-    tokens, check_s = 0, 0.0
-    postfix: dict[str, str] = {}
-    start = time.perf_counter()
-    bar = tqdm(_order(len(encoded), cfg.steps, cfg.batch_size, cfg.seed), disable=not cfg.progress)
-    for step, indices in enumerate(bar, start=1):
-        batch = collate([encoded[i] for i in indices], pad_id, cfg.max_len)
-        losses.append(_step(model, optimizer, schedule, batch, cfg))
-        tokens += int(batch[1].sum())
-        recent = sum(losses[-cfg.log_every :]) / cfg.log_every
-        if step % cfg.log_every == 0:
-            postfix["loss"] = f"{recent:.3f}"
-        score = None
-        if held and (step % cfg.eval_every == 0 or step == cfg.steps):
-            t0 = time.perf_counter()
-            score = exact_match(model, held, pad_id, cfg.max_len)
-            check_s += time.perf_counter() - t0
-            checks.append(HeldOutCheck(step=step, exact_match=score))
-            postfix["held_out"] = f"{score:.3f}"
-        bar.set_postfix(postfix, refresh=False)
-        if cfg.target is not None and score is not None and score >= cfg.target:
-            break
-        if cfg.stop_loss is not None and len(losses) >= cfg.log_every and recent < cfg.stop_loss:
-            break
-    wall_s = time.perf_counter() - start
-    bar.close()
+    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, _lr_factor(cfg))
+    state = checkpointer.load(model, optimizer, schedule) if resume else None
+    state = state or SftState()
+    say(_header(cfg, precision, len(encoded), len(held), state))
+    loop = _Loop(cfg, model, optimizer, schedule, pad_token_id(tokenizer), encoded, held)
+    state = loop.run(state, precision.bf16, checkpointer, say)
     model.eval()
-    out = Path(out_dir)
     model.save_pretrained(out)
     tokenizer.save_pretrained(out)
-    tail = losses[-cfg.log_every :]
-    result = SftResult(
-        out_dir=str(out),
-        steps=len(losses),
-        stopped_early=len(losses) < cfg.steps,
-        final_loss=sum(tail) / len(tail) if tail else math.nan,
-        losses=losses,
-        wall_s=wall_s,
-        tokens_per_s=tokens / (wall_s - check_s) if wall_s > check_s else 0.0,
-        held_out=checks,
-        target=cfg.target,
-        target_reached=_reached(checks, cfg.target),
-    )
-    # Beside the model, for scripts deciding what to do next (another pass, the habit stage).
-    (out / "sft.json").write_text(result.model_dump_json(indent=1))
+    result = _result(cfg, out, state, precision, len(encoded), len(held))
+    checkpointer.finish(result)
     return result
 
 
-def _reached(checks: list[HeldOutCheck], target: float | None) -> bool | None:
-    if target is None:
-        return None
-    return any(c.exact_match >= target for c in checks)
+def _header(
+    cfg: SftConfig, precision: Precision, n_train: int, n_held: int, state: SftState
+) -> str:
+    """What the run will do, said once before its progress bar."""
+    held = f", {n_held} held out (scored every {cfg.eval_every} steps)" if n_held else ""
+    goal = (
+        f"until held-out {cfg.target_metric} match >= {cfg.target:g}, at most {cfg.steps} steps"
+        if cfg.target is not None
+        else f"{cfg.steps} steps"
+    )
+    threads = f", {torch.get_num_threads()} threads" if precision.device == "cpu" else ""
+    lines = [
+        f"sft: {n_train} examples trained on{held}; batch {cfg.batch_size}, {goal}",
+        f"sft: lr {cfg.lr:g}, {schedule_words(cfg)}; device {cfg.device}{threads}",
+        f"sft: {precision.line()}",
+    ]
+    if state.step:
+        lines.append(f"sft: resuming at step {state.step} from the checkpoint")
+    return "\n".join(lines)
+
+
+class _Loop:
+    """The training loop's fixed parts; `run` advances a state to the end."""
+
+    def __init__(
+        self,
+        cfg: SftConfig,
+        model: torch.nn.Module,
+        optimizer: torch.optim.Optimizer,
+        schedule: torch.optim.lr_scheduler.LRScheduler,
+        pad_id: int,
+        encoded: list[EncodedDemo],
+        held: list[EncodedDemo],
+    ) -> None:
+        self.cfg, self.model, self.pad_id = cfg, model, pad_id
+        self.optimizer, self.schedule = optimizer, schedule
+        self.encoded, self.held = encoded, held
+
+    def run(self, state: SftState, bf16: bool, checkpointer: Checkpointer, say: Say) -> SftState:
+        cfg = self.cfg
+        self.model.train()
+        order = _order(len(self.encoded), cfg.steps, cfg.batch_size, cfg.seed)
+        bar = tqdm(total=cfg.steps, initial=state.step, disable=not cfg.progress, desc="sft")
+        start, timed = time.perf_counter() - state.wall_s, None
+        while state.step < cfg.steps and not state.done:
+            batch = collate([self.encoded[i] for i in order[state.step]], self.pad_id, cfg.max_len)
+            batch = tuple(t.to(cfg.device) for t in batch)  # type: ignore[assignment]
+            t0 = time.perf_counter()
+            state.losses.append(_step(self.model, self.optimizer, self.schedule, batch, cfg, bf16))
+            state.train_s += time.perf_counter() - t0
+            state.tokens += int(batch[1].sum())
+            state.step += 1
+            bar.update(1)
+            self._after_step(state, bar)
+            state.wall_s = time.perf_counter() - start
+            if timed is None and state.step >= min(cfg.steps, 10 + (state.resumed or 0)):
+                timed = True
+                say(_expected_time(cfg, state))
+            if cfg.checkpoint_every and state.step % cfg.checkpoint_every == 0 and not state.done:
+                checkpointer.save(self.model, self.optimizer, self.schedule, state)
+        bar.close()
+        return state
+
+    def _after_step(self, state: SftState, bar: tqdm) -> None:
+        """Loss on the bar, a held-out check when due, and whether to stop."""
+        cfg = self.cfg
+        recent = sum(state.losses[-cfg.log_every :]) / min(cfg.log_every, len(state.losses))
+        postfix = {"loss": f"{recent:.3f}"}
+        if self.held and (state.step % cfg.eval_every == 0 or state.step == cfg.steps):
+            exact, sampled = score_held_out(self.model, self.held, self.pad_id, cfg.max_len)
+            state.checks.append(
+                HeldOutCheck(step=state.step, exact_match=exact, sampled_match=sampled)
+            )
+            score = exact if cfg.target_metric == "exact" else sampled
+            state.done = cfg.target is not None and score >= cfg.target
+        if state.checks:
+            last = state.checks[-1]
+            postfix["held_out"] = f"{last.exact_match:.3f}"
+            postfix["sampled"] = f"{last.sampled_match or 0:.3f}"
+        bar.set_postfix(postfix, refresh=False)
+        if cfg.stop_loss is not None and len(state.losses) >= cfg.log_every:
+            state.done = state.done or recent < cfg.stop_loss
+
+
+def _expected_time(cfg: SftConfig, state: SftState) -> str:
+    """The expected time, once the first steps are timed."""
+    per_step = state.train_s / max(1, state.step - (state.resumed or 0))
+    left = (cfg.steps - state.step) * per_step
+    cap = "the cap" if cfg.target is not None else "the end"
+    return (
+        f"sft: {per_step:.2f} s a step here: {cap} ({cfg.steps} steps) in at most "
+        f"{left / 60:.1f} min more, held-out checks besides"
+    )
+
+
+def _result(
+    cfg: SftConfig, out: Path, state: SftState, precision: Precision, n_train: int, n_held: int
+) -> SftResult:
+    tail = state.losses[-cfg.log_every :]
+    reached = None
+    if cfg.target is not None:
+        key = "exact_match" if cfg.target_metric == "exact" else "sampled_match"
+        reached = any((getattr(c, key) or 0.0) >= cfg.target for c in state.checks)
+    return SftResult(
+        out_dir=str(out),
+        steps=state.step,
+        stopped_early=state.step < cfg.steps,
+        final_loss=sum(tail) / len(tail) if tail else math.nan,
+        losses=state.losses,
+        wall_s=state.wall_s,
+        tokens_per_s=state.tokens / state.train_s if state.train_s > 0 else 0.0,
+        held_out=state.checks,
+        target=cfg.target,
+        target_metric=cfg.target_metric,
+        target_reached=reached,
+        precision=precision.name,
+        precision_reason=precision.line(),
+        device=cfg.device,
+        train_examples=n_train,
+        held_out_examples=n_held,
+        resumed_at=state.resumed,
+    )
 
 
 def sft_new_or_base(
@@ -302,6 +474,8 @@ def sft_new_or_base(
     out_dir: str | Path,
     base_dir: str | Path | None,
     cfg: SftConfig,
+    resume: bool = False,
+    say: Say | None = None,
 ) -> SftResult:
     """`sft` from `base_dir`, or with none from a new tiny model whose tokenizer is trained on
     the demos' text, saved beside the output as <out_dir>-base (what `tracerl sft` does).
@@ -311,6 +485,7 @@ def sft_new_or_base(
             raise ValueError("examples given as token ids need --base (the model that made them)")
         out = Path(out_dir)
         base_dir = out.with_name(out.name + "-base")
-        texts = [render_chat(d.messages, d.tools) for d in demos if isinstance(d, Demo)]
-        build_tiny_model(base_dir, texts, TinyModelConfig())
-    return sft(base_dir, demos, out_dir, cfg)
+        if not (resume and (base_dir / "config.json").exists()):
+            texts = [render_chat(d.messages, d.tools) for d in demos if isinstance(d, Demo)]
+            build_tiny_model(base_dir, texts, TinyModelConfig())
+    return sft(base_dir, demos, out_dir, cfg, resume=resume, say=say)

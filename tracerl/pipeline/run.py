@@ -86,6 +86,10 @@ class TrainSummary(BaseModel):
     """The guard rails' warnings (pre-flight, collapse signals, rollbacks), in order."""
     preflight: PreflightReport | None = None
     """What the pre-flight groups showed (None when it was off or the run resumed)."""
+    precision: str = "fp32"
+    """'bf16' (autocast) or 'fp32': what `trainer.bf16` chose on this hardware."""
+    precision_reason: str = ""
+    """The line the run printed about it, e.g. 'precision: fp32 (CPU has AVX2 only; ...)'."""
 
 
 def start_roles_stack(
@@ -251,6 +255,7 @@ def train(
             agents = cluster.agents(agents, cfg.agent, cfg.reward or reward_fn, str(store), stack)
             make, extra = cluster.trainer, cluster.values
         policies = _policies(cfg, stack, make)
+        tqdm.write(policies[0].trainer.precision.line())
         curation = Curation.build(cfg.curation, cfg.pipeline.group_size, cfg.success_threshold)
         trainer = policies[0].trainer  # every policy's version moves in step with the others
         roles = [role for p in policies for role in p.roles]
@@ -343,6 +348,8 @@ def _finish(run: _Run, before: float | None, checked: PreflightReport | None) ->
         evals=run.guards.best.evals,
         warnings=run.guards.warned,
         preflight=checked,
+        precision=pipeline.policies[0].trainer.precision.name,
+        precision_reason=pipeline.policies[0].trainer.precision.line(),
     )
     (run.run_dir / "summary.json").write_text(summary.model_dump_json(indent=2))
     return summary

@@ -10,6 +10,8 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from tracerl.precision import Bf16Setting
+
 __all__ = ["LoraSettings", "LossConfig", "TrainerConfig"]
 
 
@@ -114,8 +116,10 @@ class TrainerConfig(BaseModel):
     (tracerl.trainer.prefix), with the loss and gradients of one row per rollout. Off
     until measured on real models; with entropy_top_q set, which selects tokens per
     micro-batch, the plain micro-batches are kept. The data-parallel trainer packs plainly."""
-    bf16: bool = True
-    """bf16 autocast for forward/backward on CPU or GPU; weights and log-probs stay fp32."""
+    bf16: Bf16Setting = "auto"
+    """bf16 autocast for forward/backward (weights and log-probs stay fp32): 'auto' where the
+    device computes bf16 natively (a CUDA GPU that supports it, a CPU with AVX512-BF16 or
+    AMX), fp32 elsewhere (on an AVX2 CPU bf16 is emulated, ~30x slower); true; false."""
     lora: LoraSettings | None = None
     """Train a LoRA adapter instead of all weights."""
     loss: LossConfig = LossConfig()

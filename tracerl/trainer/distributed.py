@@ -53,6 +53,7 @@ from torch.distributed.fsdp import FSDPModule, fully_shard
 from torch.distributed.tensor import DTensor
 from transformers import AutoModelForCausalLM
 
+from tracerl.precision import use_bf16
 from tracerl.trainer.config import TrainerConfig
 from tracerl.trainer.gradients import backward_micro_batches, forward_logprobs, loss_denominator
 from tracerl.trainer.loss import LossMetrics
@@ -166,7 +167,7 @@ class DistributedTrainer(Trainer):
         _, most = self._denominator_and_most(batches)
         scored: dict[int, Tensor] = {}
         for mb in _padded(batches, most):
-            logp_BT = forward_logprobs(self.model, mb, self.cfg.bf16)
+            logp_BT = forward_logprobs(self.model, mb, use_bf16(self.cfg.bf16, self.device))
             for b, i in enumerate(mb.row_indices):
                 scored[mine[i]] = logp_BT[b, : len(picked[i].input_ids)].cpu()
         every: list[Any] = [None] * self.world_size

@@ -18,6 +18,7 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
+from tracerl.precision import use_bf16
 from tracerl.trainer.config import TrainerConfig
 from tracerl.trainer.loss import (
     LossMetrics,
@@ -164,7 +165,8 @@ def _micro_batch(
 ) -> tuple[float, LossMetrics, Tensor]:
     """Forward, loss and backward of one micro-batch; returns (loss, metrics, logp_BT)."""
     mb = tb.mb
-    logits = tree_logits(model, tb, cfg.bf16) if tb.shared else model_logits(model, mb, cfg.bf16)
+    bf16 = use_bf16(cfg.bf16, next(model.parameters()).device)
+    logits = tree_logits(model, tb, bf16) if tb.shared else model_logits(model, mb, bf16)
     stage("forward")
     device = next(model.parameters()).device
     ids_BT, temp_B = mb.input_ids_BT.to(device), mb.temperature_B.to(device)

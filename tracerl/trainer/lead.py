@@ -16,6 +16,7 @@ from typing import Any
 import torch.distributed as dist
 from torch import Tensor
 
+from tracerl.precision import Precision
 from tracerl.trainer.config import TrainerConfig
 from tracerl.trainer.distributed import DistributedTrainer
 from tracerl.trainer.trainer import TrainMetrics
@@ -47,6 +48,11 @@ class Leader:
     def cfg(self) -> TrainerConfig:
         """The trainer's settings."""
         return self.trainer.cfg
+
+    @property
+    def precision(self) -> Precision:
+        """The arithmetic rank 0 trains in (every rank decides the same on like hardware)."""
+        return self.trainer.precision
 
     @property
     def model_dir(self) -> str:

@@ -24,6 +24,7 @@ import torch
 from pydantic import BaseModel
 from transformers import AutoModelForCausalLM, PreTrainedModel
 
+from tracerl.precision import choose_precision, use_bf16
 from tracerl.trainer.config import LoraSettings, TrainerConfig
 from tracerl.trainer.gradients import forward_logprobs, loss_and_grads
 from tracerl.trainer.loss import LossMetrics
@@ -84,6 +85,9 @@ class Trainer:
     """Holds the trainable policy and its optimizer; `train(rows)` is one update."""
 
     def __init__(self, model_dir: str | Path, cfg: TrainerConfig, device: str = "cpu") -> None:
+        # 'auto' is decided here, once, where the device is known; the rest reads a bool.
+        self.precision = choose_precision(cfg.bf16, device)
+        cfg = cfg.model_copy(update={"bf16": self.precision.bf16})
         self.cfg = cfg
         self.device = torch.device(device)
         self.model_dir = str(model_dir)
@@ -154,7 +158,7 @@ class Trainer:
         """Log-probs of every row under the weights before the update, in row order."""
         out = [torch.empty(0)] * len(rows)
         for mb in pack(rows, self.cfg.micro_batch_tokens):
-            logp_BT = forward_logprobs(self.model, mb, self.cfg.bf16)
+            logp_BT = forward_logprobs(self.model, mb, use_bf16(self.cfg.bf16, self.device))
             for b, i in enumerate(mb.row_indices):
                 out[i] = logp_BT[b, : len(rows[i].input_ids)]
         return out
@@ -185,8 +189,8 @@ class Trainer:
             return None
         if self.cfg.lora is not None:  # the base model is the adapter-free model
             with self.model.disable_adapter():  # type: ignore[operator]
-                return forward_logprobs(self.model, mb, self.cfg.bf16)
-        return forward_logprobs(self._reference, mb, self.cfg.bf16)
+                return forward_logprobs(self.model, mb, use_bf16(self.cfg.bf16, self.device))
+        return forward_logprobs(self._reference, mb, use_bf16(self.cfg.bf16, self.device))
 
     def engine_state_dict(self) -> dict[str, torch.Tensor]:
         """Full weights for the engine (LoRA merged in), detached copies."""
