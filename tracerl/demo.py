@@ -12,8 +12,11 @@ DemoConfig (`tracerl demo --help`) stays light.
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -105,17 +108,39 @@ def calculator_demos(
     return [Demo.model_validate(d) for d in demos]
 
 
+@contextmanager
+def _build_lock(models: Path) -> Iterator[None]:
+    """One builder at a time per cache (two test sessions, or a demo beside a test run):
+    the second waits, then finds the model built."""
+    models.mkdir(parents=True, exist_ok=True)
+    with open(models / ".build.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
+
+
 def ensure_calculator_model(recipe: CalculatorRecipe | None = None, rebuild: bool = False) -> Path:
     """The weak calculator model of `recipe`, built and cached on first use (~6 min)."""
+    recipe = recipe or CalculatorRecipe()
+    models = cache_dir() / "models"
+    out = models / recipe.name()
+    if (out / "config.json").exists() and not rebuild:
+        return out
+    with _build_lock(models):
+        if (out / "config.json").exists() and not rebuild:
+            return out
+        return _build_calculator_model(recipe, models, out, rebuild)
+
+
+def _build_calculator_model(
+    recipe: CalculatorRecipe, models: Path, out: Path, rebuild: bool
+) -> Path:
     from tracerl.models.sft import SftConfig, sft
     from tracerl.models.template import render_chat
     from tracerl.models.tiny import TinyModelConfig, build_tiny_model
 
-    recipe = recipe or CalculatorRecipe()
-    out = cache_dir() / "models" / recipe.name()
-    if (out / "config.json").exists() and not rebuild:
-        return out
-    models = cache_dir() / "models"
     clean = calculator_demos(recipe.demos, seed=recipe.seed + 1000)
     base = models / f"calculator-tiny{recipe._shape()}-base-clean-seed{recipe.seed}"
     if rebuild or not (base / "config.json").exists():
