@@ -1,11 +1,13 @@
 # Two commands on a fresh machine: `make demo` and `make test`. Both install what they need
-# (once; re-running is cheap) into .venv from this project's own files.
+# (once; re-running is cheap) into .venv from this project's own files; `make test` also the
+# system packages, vLLM's environment and the coding-agent CLIs its tests drive, so a new
+# user's `make test` and CI (.ci/run) are the same run. `make test-fast` is the quick tier.
 PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: install demo test lint bench vllm clis
+.PHONY: install demo test test-fast lint bench vllm clis system
 
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -25,8 +27,20 @@ lint: install
 	$(BIN)/ruff format --check .
 	$(BIN)/mypy tracerl
 
-test: lint
-	$(BIN)/pytest -q
+# Every test; a part of the machine a test needs and cannot find is a failure here
+# (TRACERL_REQUIRE=all), never a silent skip.
+test: system install vllm clis lint
+	TRACERL_REQUIRE=all $(BIN)/pytest -q
+
+# The unit and component tests: no model build, no vLLM, Ray, browser or CLIs, nothing slow.
+FAST := not slow and not model and not vllm and not ray and not fuzz and not browser and not clis and not smollm2
+test-fast: install
+	$(BIN)/ruff check .
+	$(BIN)/pytest -q -m "$(FAST)"
+
+# bubblewrap, PostgreSQL and Chromium from apt, when missing (root or sudo).
+system:
+	./scripts/system-packages.sh
 
 bench: install
 	$(BIN)/python -m pip install -q -c constraints.txt -e '.[dev,bench]'

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import shutil
 from pathlib import Path
 
 import pytest
@@ -10,8 +11,27 @@ import pytest
 # Imported before any test module loads torch: it sets the OpenMP wait policy, so a bench
 # script's ensure_passive_omp() never re-executes the test process.
 import tracerl  # noqa: F401
+from tests.needs import missing
 
 ROOT = Path(__file__).resolve().parents[1]
+
+_MODEL_FIXTURES = {"calculator_model_dir", "calculator_skilled_dir"}
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Mark the tests that need the demo's built model `model`, so `make test-fast` (which
+    deselects them) never builds it."""
+    for item in items:
+        if _MODEL_FIXTURES & set(getattr(item, "fixturenames", ())):
+            item.add_marker(pytest.mark.model)
+
+
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    """A `sandbox` test needs bubblewrap (`make system` installs it)."""
+    if item.get_closest_marker("sandbox") and shutil.which("bwrap") is None:
+        missing(
+            "sandbox", "bubblewrap is not installed (`make system`, or apt-get install bubblewrap)"
+        )
 
 
 @pytest.fixture(scope="session")

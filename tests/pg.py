@@ -25,6 +25,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.needs import missing
+
 BIN_DIRS = [Path(p) for p in os.environ.get("TRACERL_PG_BIN", "").split(os.pathsep) if p] + [
     Path(f"/usr/lib/postgresql/{v}/bin") for v in (17, 16, 15, 14)
 ]
@@ -146,9 +148,12 @@ def pg_server() -> Iterator[PgServer]:
     """One throwaway server for the whole session (skips when it cannot run here)."""
     bindir = find_bin()
     if reason := _skip_reason(bindir):
-        pytest.skip(reason)
+        missing("postgres", reason)
     assert bindir is not None
-    pytest.importorskip("psycopg", reason="psycopg is not installed (pip install -e .[dev])")
+    try:
+        import psycopg  # noqa: F401
+    except ImportError:
+        missing("postgres", "psycopg is not installed (pip install -e .[dev])")
     root = Path(tempfile.mkdtemp(prefix="tracerl-pg-"))
     try:
         server = start(root, bindir)

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.needs import missing
 from tracerl.stack import LocalStack
 
 from .longctx import (  # noqa: F401
@@ -36,7 +37,7 @@ TASK = "Create hello.txt containing the word hello."
 def _cli(name: str) -> Path:
     path = BIN / name
     if not path.exists():
-        pytest.skip(f"{name} is not installed: run `make clis`")
+        missing("clis", f"{name} is not installed: run `make clis`")
     return path
 
 

@@ -22,20 +22,27 @@ from pathlib import Path
 
 import pytest
 
+from tests.needs import missing
 from tracerl.pipeline.config import TrainConfig
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPTS = ROOT / "tests" / "cluster"
 
-needs_namespaces = pytest.mark.skipif(
-    os.geteuid() != 0 or not shutil.which("unshare") or not shutil.which("ss"),
-    reason="needs root, unshare and ss (the cluster runs in namespaces of its own)",
-)
+
+@pytest.fixture(autouse=True)
+def _namespaces() -> None:
+    """The cluster runs in namespaces of its own: root, unshare and ss (and Ray) needed."""
+    if os.geteuid() != 0 or not shutil.which("unshare") or not shutil.which("ss"):
+        missing("ray", "needs root, unshare and ss (the cluster runs in namespaces of its own)")
+    try:
+        import ray  # noqa: F401
+    except ImportError:
+        missing("ray", "ray is not installed (pip install -e '.[dev]')")
 
 
 def on_a_cluster(test: Callable[..., None]) -> Callable[..., None]:
     """Marks of a test that trains on the simulated cluster."""
-    return pytest.mark.ray(pytest.mark.slow(needs_namespaces(test)))
+    return pytest.mark.ray(pytest.mark.slow(test))
 
 
 @contextmanager

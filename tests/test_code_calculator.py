@@ -27,6 +27,8 @@ from tracerl.store.sqlite import SqliteStore
 from tracerl.tools import format_result, run_python
 from tracerl.types import RolloutStatus, Task
 
+pytestmark = pytest.mark.sandbox  # the agent's python tool runs in bubblewrap
+
 agent = example_module("code_calculator", "agent")
 tasks = example_module("code_calculator", "tasks")
 reward = example_module("code_calculator", "reward")

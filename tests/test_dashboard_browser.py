@@ -14,6 +14,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+from tests import needs
 from tracerl.dashboard.app import create_app
 from tracerl.server import serving
 
@@ -27,16 +28,16 @@ CHROMIUM = "/usr/bin/chromium"
 
 def _browser_or_skip() -> None:
     """Skip without chromium or Playwright; in CI (CI=true) their absence is a failure."""
-    missing = [
+    absent = [
         what
         for what, ok in (("chromium", Path(CHROMIUM).exists()), ("playwright", _has_playwright()))
         if not ok
     ]
-    if missing:
-        message = f"needs {' and '.join(missing)} (apt-get install chromium; pip install '.[dev]')"
-        if os.environ.get("CI"):
-            pytest.fail(message)
-        pytest.skip(message)
+    if absent:
+        needs.missing(
+            "browser",
+            f"needs {' and '.join(absent)} (apt-get install chromium; pip install '.[dev]')",
+        )
 
 
 def _has_playwright() -> bool:

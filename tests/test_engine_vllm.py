@@ -29,6 +29,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, PreTrainedModel
 
+from tests.needs import missing
 from tracerl.engines.config import EngineConfig
 from tracerl.engines.launch import group_has_others
 from tracerl.engines.scoring import constraint_of, score_completion
@@ -49,12 +50,16 @@ VLLM_PYTHON = Path(os.environ.get("TRACERL_VLLM_PYTHON", ROOT / ".venv-vllm" / "
 pytestmark = [
     pytest.mark.vllm,
     pytest.mark.slow,
-    # CI sets TRACERL_REQUIRE_VLLM: there a missing environment fails instead of skipping.
-    pytest.mark.skipif(
-        not VLLM_PYTHON.exists() and not os.environ.get("TRACERL_REQUIRE_VLLM"),
-        reason=f"no vLLM environment at {VLLM_PYTHON} (`make vllm`, or TRACERL_VLLM_PYTHON)",
-    ),
 ]
+
+
+@pytest.fixture(autouse=True)
+def _vllm_environment() -> None:
+    """`make test` requires it (TRACERL_REQUIRE): there a missing environment fails."""
+    if not VLLM_PYTHON.exists():
+        missing(
+            "vllm", f"no vLLM environment at {VLLM_PYTHON} (`make vllm`, or TRACERL_VLLM_PYTHON)"
+        )
 
 
 @pytest.fixture(scope="module")

@@ -21,7 +21,7 @@ from tracerl.engines.config import EngineConfig
 from tracerl.engines.vllm import VLLMEngine
 from tracerl.examples import example_file, example_module
 
-from .test_engine_vllm import VLLM_PYTHON, calculator_h64, pytestmark  # noqa: F401
+from .test_engine_vllm import VLLM_PYTHON, _vllm_environment, calculator_h64, pytestmark  # noqa: F401
 
 
 @pytest.fixture(scope="module")

@@ -28,6 +28,8 @@ from tracerl.tools import (
 
 ROOT = Path(__file__).resolve().parents[1]
 
+pytestmark = pytest.mark.sandbox
+
 
 @pytest.fixture(autouse=True)
 def no_stray_children() -> Iterator[None]:
