@@ -19,8 +19,9 @@ from tracerl.evaluate import load_tasks
 from tracerl.export.formats import read_training_file
 from tracerl.models.recipe import corrupt, degrade
 from tracerl.models.sft import Demo, SftConfig, load_demos
+from tracerl.store import NotFound
 from tracerl.store.sqlite import SqliteStore
-from tracerl.traces import list_rollouts
+from tracerl.traces import list_rollouts, resolve_rollout_id, show_rollout
 from tracerl.types import RolloutStatus, Task
 
 DEMO = {
@@ -59,17 +60,20 @@ def test_every_jsonl_reader_names_the_line_that_is_not_an_object(
         read(path)
 
 
-def test_sft_help_prints_the_default_numbers() -> None:
+def test_sft_help_prints_each_default_once() -> None:
     out = subprocess.run(
         [sys.executable, "-m", "tracerl.cli", "sft", "--help"], capture_output=True, text=True
     ).stdout
     text = " ".join(out.split())  # argparse wraps lines
-    steps = re.search(r"Optimizer steps \(default: (\d+)", text)
-    lr = re.search(r"Peak learning rate \(default: ([0-9.e-]+),", text)
-    assert steps and int(steps.group(1)) == SftConfig().steps
-    assert lr and float(lr.group(1)) == SftConfig().lr
+    steps = re.findall(r"--steps int (.*?)--batch_size", text)[-1]
+    lr = re.findall(r"--lr float (.*?)--stop_loss", text)[-1]
+    holdout = re.findall(r"--holdout float (.*?)--eval_every int", text)[-1]
+    assert re.findall(r"\(default: (\d+)\)", steps) == [str(SftConfig().steps)]
+    assert [float(x) for x in re.findall(r"\(default: ([0-9.e-]+)\)", lr)] == [SftConfig().lr]
+    for flag in (steps, lr, holdout):
+        assert flag.count("(default:") == 1 and "null" not in flag
     assert "skill-then-habit" in out and "SftConfig's" not in out
-
+    assert "tracerl models get" in out  # where a --base comes from
 
 def test_toml_paths_are_read_relative_to_the_file(tmp_path: Path) -> None:
     (tmp_path / "agent.py").write_text("def run(task, **kw):\n    return ''\n")
@@ -86,18 +90,35 @@ def test_toml_paths_are_read_relative_to_the_file(tmp_path: Path) -> None:
     )
 
 
-def test_traces_list_shows_whole_ids_and_long_answers(tmp_path: Path) -> None:
+@pytest.mark.parametrize("width", [80, 120])
+def test_traces_list_reads_at_terminal_widths_and_show_takes_its_prefix(
+    tmp_path: Path, width: int
+) -> None:
     store = SqliteStore(tmp_path / "t.db")
-    store.add_tasks([Task(id="t1", input={})])
-    rid = store.enqueue(["t1"])[0].id
-    store.claim("r", 1, 60.0)
+    store.add_tasks([Task(id=f"calc-train-{i:04d}", input={}) for i in range(3)])
     answer = "the capital of Zarnia is Velm, founded in 1412 by the river people"
-    store.finish(rid, 1, RolloutStatus.succeeded, answer=answer, reward=0.0)
-    console = Console(width=200, record=True)
+    ids = [r.id for r in store.enqueue([f"calc-train-{i:04d}" for i in range(3)])]
+    for rid in ids:
+        store.claim("r", 1, 60.0)
+        store.finish(rid, 1, RolloutStatus.succeeded, answer=answer, reward=0.0)
+    console = Console(width=width, record=True)
     list_rollouts(store, console=console)
     text = console.export_text()
-    assert rid in text and answer in text
-    assert "answered" in text and "succeeded" not in text  # a lifecycle state, not a verdict
+    lines = text.splitlines()
+    assert all(len(line) <= width for line in lines)
+    row = lines[1].split()
+    # task, status, attempt and reward keep their text at any width; the answer gives way.
+    assert row[1:5] == ["calc-train-0000", "answered", "1", "0"]
+    assert "succeeded" not in text
+    shown = row[0]
+    assert ids[0].startswith(shown) and len(shown) >= 12
+    out = Console(width=width, record=True)
+    show_rollout(store, shown, out)
+    assert ids[0] in out.export_text()
+    with pytest.raises(NotFound, match="'' starts 3 rollout ids"):
+        resolve_rollout_id(store, "")
+    with pytest.raises(NotFound, match="no rollout 'zz'"):
+        resolve_rollout_id(store, "zz")
 
 
 def test_corrupt_changes_one_character_of_its_kind() -> None:

@@ -155,7 +155,7 @@ def report(
     spans = [s for r in rollouts for s in store.spans(r.id)]
     statuses: dict[str, int] = {}
     for r in rollouts:
-        statuses[r.status.value] = statuses.get(r.status.value, 0) + 1
+        statuses[r.status.shown] = statuses.get(r.status.shown, 0) + 1
     rewards = [r.reward or 0.0 for r in rollouts]
     prompt = sum(len(s.prompt_ids) for s in spans)
     completion = sum(len(s.completion_ids) for s in spans)

@@ -3,7 +3,7 @@
 Calls of a sub-agent sit under the call that spawned it (the span's parent), so a planner
 that runs executors — or itself, recursively — reads as a tree. Each call shows only the
 messages its conversation had not shown yet. A status reads as what it means
-("answered", not "succeeded": see STATUS_SHOWN). Each run remembers its store in
+("answered", not "succeeded": see RolloutStatus.shown). Each run remembers its store in
 runs/.latest_store, so `tracerl traces` reads the last run's without being told where.
 """
 
@@ -16,11 +16,11 @@ from rich.console import Console
 from rich.table import Table
 from rich.tree import Tree
 
-from tracerl.store import Store
+from tracerl.store import NotFound, Store
 from tracerl.store.open import is_postgres_url
 from tracerl.store.open import open_store as open_any_store
 from tracerl.store.sqlite import SqliteStore
-from tracerl.types import Rollout, RolloutStatus, Span
+from tracerl.types import STATUS_SHOWN, Rollout, Span
 
 LATEST = Path("runs") / ".latest_store"
 """Where the last run (demo, train, eval) noted its store file, relative to the cwd."""
@@ -105,9 +105,27 @@ def _shown(span: Span, earlier: list[Span]) -> int:
     return 0
 
 
+def resolve_rollout_id(store: Store, text: str) -> str:
+    """The rollout `text` names: its whole id, or any prefix only one rollout's id starts
+    with (what `traces list` prints). NotFound says why when none or several match."""
+    try:
+        return store.get_rollout(text).id
+    except NotFound:
+        pass
+    matches = [r.id for r in store.rollouts() if r.id.startswith(text)]
+    if len(matches) == 1:
+        return matches[0]
+    if not matches:
+        raise NotFound(f"no rollout '{text}'")
+    shown = ", ".join(matches[:5]) + (", ..." if len(matches) > 5 else "")
+    raise NotFound(f"'{text}' starts {len(matches)} rollout ids ({shown}): give more of it")
+
+
 def show_rollout(store: Store, rollout_id: str, console: Console | None = None) -> None:
-    """Print a rollout: its state, then each call (children under their parent span)."""
+    """Print a rollout: its state, then each call (children under their parent span). The
+    id may be any unique prefix."""
     console = console or Console()
+    rollout_id = resolve_rollout_id(store, rollout_id)
     rollout = store.get_rollout(rollout_id)
     spans = store.spans(rollout_id)
     rewards = store.rewards(rollout_id)
@@ -126,17 +144,6 @@ def show_rollout(store: Store, rollout_id: str, console: Console | None = None) 
         console.print(f"reward {r.name} ({where}): {r.value:g}")
 
 
-STATUS_SHOWN = {
-    RolloutStatus.queued: "queued",
-    RolloutStatus.running: "running",
-    RolloutStatus.succeeded: "answered",
-    RolloutStatus.failed: "error",
-    RolloutStatus.timed_out: "timed out",
-}
-"""How a lifecycle state reads. The store's names stay (they are in every database), but
-"succeeded" only means the agent returned an answer: whether it was right is the reward."""
-
-
 def _header(rollout: Rollout) -> Table:
     table = Table(show_header=False, box=None)
     for key in ("id", "task_id", "status", "attempt", "reward", "answer", "error"):
@@ -148,19 +155,43 @@ def _header(rollout: Rollout) -> Table:
     return table
 
 
+ID_SHOWN = 12
+"""Characters of a rollout id `traces list` prints: unique in practice, and `traces show`
+takes any unique prefix."""
+
+
 def list_rollouts(store: Store, limit: int = 20, console: Console | None = None) -> None:
-    """Print the most recent rollouts, one line each: the whole id (what `traces show`
-    takes), and the answer cut only to what the terminal's width leaves."""
+    """Print the most recent rollouts, one line each, laid out for 80 columns: an id prefix
+    long enough to tell them apart (`traces show` takes it), task, status, attempt and reward
+    at fixed widths, and the answer in what the terminal's width leaves."""
     console = console or Console()
-    table = Table("rollout", "task", "status", "attempt", "reward", "answer")
-    table.columns[0].no_wrap = True
-    table.columns[0].overflow = "fold"  # an id is never shortened with an ellipsis
-    table.columns[5].overflow = "ellipsis"
-    table.columns[5].no_wrap = True
-    rows = store.rollouts()
-    for r in rows[-limit:]:
+    rows = store.rollouts()[-limit:]
+    width = _id_width([r.id for r in rows])
+    task_width = min(18, max((len(r.task_id) for r in rows), default=4))
+    # The answer gets what the fixed columns leave, cut here: rich would rather drop columns.
+    room = max(10, console.width - (width + task_width + 9 + 3 + 6 + 5))
+    table = Table(box=None, pad_edge=False, padding=(0, 1))
+    table.add_column("rollout", no_wrap=True, min_width=width, max_width=width)
+    table.add_column("task", no_wrap=True, overflow="ellipsis", min_width=task_width, max_width=18)
+    table.add_column("status", no_wrap=True, min_width=9)
+    table.add_column("try", no_wrap=True, justify="right", min_width=3)
+    table.add_column("reward", no_wrap=True, justify="right", min_width=6)
+    table.add_column("answer", no_wrap=True, overflow="ellipsis", max_width=room)
+    for r in rows:
         answer = (r.answer or "").replace("\n", " ")
+        answer = answer if len(answer) <= room else answer[: room - 1] + "…"
+        reward = "–" if r.reward is None else f"{r.reward:g}"
         table.add_row(
-            r.id, r.task_id, STATUS_SHOWN[r.status], str(r.attempt), f"{r.reward}", answer
+            r.id[:width], r.task_id, STATUS_SHOWN[r.status], str(r.attempt), reward, answer
         )
     console.print(table)
+
+
+def _id_width(ids: list[str]) -> int:
+    """The shortest prefix length, at least ID_SHOWN, that tells the listed ids apart."""
+    width = ID_SHOWN
+    while width < max((len(i) for i in ids), default=0) and len({i[:width] for i in ids}) < len(
+        ids
+    ):
+        width += 2
+    return width

@@ -57,6 +57,23 @@ class RolloutStatus(StrEnum):
     failed = "failed"
     timed_out = "timed_out"
 
+    @property
+    def shown(self) -> str:
+        """How the state reads to a person, in every report, list and page. The stored names
+        stay (they are in every database), but "succeeded" only means the agent returned an
+        answer, so it reads "answered": whether the answer was right is the reward."""
+        return STATUS_SHOWN[self]
+
+
+STATUS_SHOWN: dict[RolloutStatus, str] = {
+    RolloutStatus.queued: "queued",
+    RolloutStatus.running: "running",
+    RolloutStatus.succeeded: "answered",
+    RolloutStatus.failed: "error",
+    RolloutStatus.timed_out: "timed out",
+}
+"""The one vocabulary statuses are shown in (`RolloutStatus.shown`)."""
+
 
 FINISHED = frozenset({RolloutStatus.succeeded, RolloutStatus.failed, RolloutStatus.timed_out})
 """Final states: a rollout here never changes again."""

@@ -27,7 +27,7 @@ class ExportCommand(Command):
     """'adp': ADP trajectories, token ids in details.tracerl_tokens (exact round trip);
     'openai': {"messages", "tools"} lines (text: re-rendered when trained on)."""
     filter: str = ""
-    """Which rollouts and calls, e.g. 'reward >= 1 and status == succeeded and task ^= calc'
+    """Which rollouts and calls, e.g. 'reward >= 1 and status == answered and task ^= calc'
     (fields: reward, noise, status, split, task, role, version; see tracerl/export/filter.py)."""
     tools: str | None = None
     """The agent's tool schemas, which spans do not record: a JSON file or 'file.py:NAME'

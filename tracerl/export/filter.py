@@ -2,13 +2,13 @@
 
 A filter is clauses joined by `and` (or `,`), each `FIELD OP VALUE`:
 
-    reward >= 1 and status == succeeded and task ^= calc- and role == executor
+    reward >= 1 and status == answered and task ^= calc- and role == executor
 
 | field | of | ops | value |
 |---|---|---|---|
 | `reward` | the rollout's final reward (a missing one fails every comparison) | `== != < <= > >=` | number |
 | `noise` | tool perturbations recorded for the rollout (`tracerl.noise`; none: 0) | `== != < <= > >=` | number |
-| `status` | the rollout's status | `== !=` | word |
+| `status` | the rollout's status, as shown (answered, error, timed out) or stored (succeeded, failed, timed_out) | `== !=` | word |
 | `split` | the task's split | `== != ^=` | word |
 | `task` | the task id (`^=`: starts with) | `== != ^=` | word |
 | `role` | a call's role: other roles' calls are left out | `== != ^=` | word |
@@ -26,6 +26,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from tracerl.types import STATUS_SHOWN
+
 __all__ = ["Clause", "TraceFilter", "parse_filter"]
 
 _OPS: dict[str, Callable[[Any, Any], bool]] = {
@@ -40,6 +42,7 @@ _OPS: dict[str, Callable[[Any, Any], bool]] = {
 _NUMERIC = {"reward": float, "noise": float, "version": int}
 _TEXT = {"status", "split", "task", "role"}
 _SPAN_FIELDS = {"role", "version"}
+_STATUS_WORDS = {shown: str(status) for status, shown in STATUS_SHOWN.items()}
 _CLAUSE = re.compile(r"""\s*([a-z_]+)\s*(==|!=|>=|<=|\^=|>|<)\s*("[^"]*"|'[^']*'|\S+)\s*$""")
 
 
@@ -97,6 +100,8 @@ def _clause(text: str) -> Clause:
     if field in _TEXT:
         if op not in ("==", "!=", "^="):
             raise ValueError(f"filter clause {text.strip()!r}: {field} takes ==, != or ^=")
+        if field == "status":  # the words statuses are shown in mean their stored names
+            raw = _STATUS_WORDS.get(raw.replace("_", " "), raw)
         return Clause(field, op, raw)
     known = ", ".join(sorted([*_NUMERIC, *_TEXT]))
     raise ValueError(f"filter clause {text.strip()!r}: unknown field {field!r} ({known})")

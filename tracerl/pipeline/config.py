@@ -133,7 +133,9 @@ class TrainConfig(BaseModel):
     """The store: "" for <runs>/<name>/traces.db (SQLite), a SQLite file, or a
     `postgresql://` URL (the same store protocol, for many gateways and runners)."""
     tasks: str = ""
-    """Task file (JSONL); its 'train' split is trained on."""
+    """Task file (JSONL), one task a line: {"id": "t1", "input": {...}, "answer": ...,
+    "split": "train"}. `input` is what the agent receives; `answer` (optional) only the
+    reward function sees; `split` is "train" (trained on, the default) or "eval" (held out)."""
     eval_tasks: str | None = None
     """Held-out task file; default: the 'eval' split of `tasks`."""
     eval_before: bool = True

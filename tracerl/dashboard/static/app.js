@@ -36,6 +36,10 @@ function h(tag, attrs, ...children) {
   return el;
 }
 const $ = (sel) => document.querySelector(sel);
+// Statuses read as in every other report (tracerl.types.STATUS_SHOWN): "answered", not
+// "succeeded" — whether the answer was right is the reward.
+const STATUS_SHOWN = { succeeded: "answered", failed: "error", timed_out: "timed out" };
+const shown = (status) => STATUS_SHOWN[status] || status;
 const fmt = (x, d = 3) => (x === null || x === undefined ? "–" : typeof x === "number" ? +x.toPrecision(d) : x);
 
 async function api(path, opts) {
@@ -170,7 +174,7 @@ async function refreshHealth() {
   const kv = (k, v) => h("div", { class: "kv" }, h("span", {}, k), h("b", {}, fmt(v)));
   $("#health").replaceChildren(
     kv("queue depth (queued)", hl.counts.queued), kv("running", hl.counts.running),
-    kv("succeeded / failed / timed out", `${hl.counts.succeeded} / ${hl.counts.failed} / ${hl.counts.timed_out}`),
+    kv("answered / error / timed out", `${hl.counts.succeeded} / ${hl.counts.failed} / ${hl.counts.timed_out}`),
     kv("leases expiring (10 s) / expired", `${hl.leases_expiring} / ${hl.leases_expired}`),
     kv("finished / min", hl.finished_last_min), kv("model calls / min", hl.calls_last_min),
     kv("sampled tokens / min", hl.tokens_last_min), kv("versions published", hl.versions_published),
@@ -212,7 +216,7 @@ async function refreshRollouts() {
     const versions = row.version_min === null ? "–" : row.version_min === row.version_max ? row.version_min : `${row.version_min}–${row.version_max}`;
     return h("tr", { class: "clickable" + (r.id === state.selected ? " selected" : ""), "data-id": r.id, onclick: () => openTrace(r.id) },
       h("td", {}, r.id), h("td", {}, r.task_id), h("td", {}, r.group_id ?? ""), h("td", {}, fmt(row.step)),
-      h("td", {}, r.status), h("td", {}, fmt(r.reward)), h("td", {}, row.calls), h("td", {}, row.roles.join(" ")),
+      h("td", {}, shown(r.status)), h("td", {}, fmt(r.reward)), h("td", {}, row.calls), h("td", {}, row.roles.join(" ")),
       h("td", {}, versions), h("td", {}, row.completion_tokens), h("td", { class: "answer", title: r.answer ?? r.error ?? "" }, r.answer ?? r.error ?? ""));
   }));
 }
@@ -269,7 +273,7 @@ function renderTrace(el, t) {
   const question = t.task ? JSON.stringify(t.task.input) : r.task_id;
   el.replaceChildren(
     h("div", { class: "head" },
-      h("div", {}, h("b", {}, r.id), ` · ${r.status} · reward `, h("b", { class: "reward" }, fmt(r.reward)),
+      h("div", {}, h("b", {}, r.id), ` · ${shown(r.status)} · reward `, h("b", { class: "reward" }, fmt(r.reward)),
         ` · attempt ${r.attempt} · step ${fmt(t.step)}`),
       h("div", { class: "dim" }, `task ${r.task_id}: ${question}`),
       h("div", { class: "dim" }, `answer: ${r.answer ?? "–"}${r.error ? ` · error: ${r.error}` : ""}`),
