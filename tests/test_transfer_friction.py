@@ -75,6 +75,7 @@ def test_sft_help_prints_each_default_once() -> None:
     assert "skill-then-habit" in out and "SftConfig's" not in out
     assert "tracerl models get" in out  # where a --base comes from
 
+
 def test_toml_paths_are_read_relative_to_the_file(tmp_path: Path) -> None:
     (tmp_path / "agent.py").write_text("def run(task, **kw):\n    return ''\n")
     (tmp_path / "tasks.jsonl").write_text("{}\n")
