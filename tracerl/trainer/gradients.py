@@ -19,6 +19,7 @@ import torch
 from torch import Tensor
 
 from tracerl.precision import use_bf16
+from tracerl.trainer.chunked import chunked_logits
 from tracerl.trainer.config import TrainerConfig
 from tracerl.trainer.loss import (
     LossMetrics,
@@ -78,10 +79,14 @@ def model_logits(model: torch.nn.Module, mb: MicroBatch, bf16: bool) -> Tensor:
 
 
 def forward_logprobs(model: torch.nn.Module, mb: MicroBatch, bf16: bool) -> Tensor:
-    """logp_BT of every token of a micro-batch given the ones before it (`token_logprobs`)."""
-    logits_BTV = model_logits(model, mb, bf16)
-    ids_BT = mb.input_ids_BT.to(logits_BTV.device)
-    return token_logprobs(logits_BTV, ids_BT, mb.temperature_B.to(logits_BTV.device))
+    """logp_BT of every token of a micro-batch given the ones before it (`token_logprobs`),
+    the logits made a chunk of positions at a time (tracerl.trainer.chunked)."""
+    device = next(model.parameters()).device
+    ids_BT, temp_B = mb.input_ids_BT.to(device), mb.temperature_B.to(device)
+    logits = chunked_logits(model, mb, bf16)
+    if isinstance(logits, Tensor):
+        return token_logprobs(logits, ids_BT, temp_B)
+    return logits.per_token(token_logprobs, ids_BT, temp_B)
 
 
 def loss_and_grads(
@@ -166,7 +171,7 @@ def _micro_batch(
     """Forward, loss and backward of one micro-batch; returns (loss, metrics, logp_BT)."""
     mb = tb.mb
     bf16 = use_bf16(cfg.bf16, next(model.parameters()).device)
-    logits = tree_logits(model, tb, bf16) if tb.shared else model_logits(model, mb, bf16)
+    logits = tree_logits(model, tb, bf16) if tb.shared else chunked_logits(model, mb, bf16)
     stage("forward")
     device = next(model.parameters()).device
     ids_BT, temp_B = mb.input_ids_BT.to(device), mb.temperature_B.to(device)
