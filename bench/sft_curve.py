@@ -4,8 +4,9 @@ Builds the tiny model from rendered expert demonstrations, fine-tunes it for sev
 step counts and with the default config (early stop at a loss) over three data orders, and
 after each replays the calculator agent's loop in-process (render, sample at
 T=1, parse the tool call, run the calculator, render again, sample the answer) on 200
-held-out eval tasks, scored with the example's reward. Also measures SFT tokens/s with and
-without bf16 autocast. Prints a table, then one JSON line.
+held-out eval tasks, scored with the example's reward. Also measures SFT tokens/s in fp32
+and in the precision `auto` chooses on this machine, side by side (bf16 autocast only where
+the CPU computes bf16 natively: tracerl.precision). Prints a table, then one JSON line.
 Usage: python bench/sft_curve.py [steps,steps,...]   (about 4 minutes on one thread)
 """
 
@@ -22,6 +23,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from tracerl.models import Demo, SftConfig, build_tiny_model, render_chat, sft
+from tracerl.precision import choose_precision
 
 CALC = Path(__file__).resolve().parent.parent / "examples" / "calculator"
 sys.path.insert(0, str(CALC))
@@ -135,12 +137,12 @@ def main() -> None:
     demos = [Demo.model_validate(d) for d in demonstrations(N_DEMOS)]
     work = Path(tempfile.mkdtemp(prefix="sft_curve_"))
     base = build_tiny_model(work / "base", [render_chat(d.messages, d.tools) for d in demos])
+    chosen = choose_precision("auto")
+    print(chosen.line())
     speed = {}
-    for bf16 in (False, True):
+    for name, bf16 in (("fp32", False), (f"chosen ({chosen.name})", "auto")):
         cfg = SftConfig(steps=30, stop_loss=None, bf16=bf16, progress=False)
-        speed["bf16" if bf16 else "fp32"] = round(
-            sft(base, demos, work / "speed", cfg).tokens_per_s
-        )
+        speed[name] = round(sft(base, demos, work / "speed", cfg).tokens_per_s)
     print(f"SFT tokens/s, 1 thread, batch 16: {speed}")
     print("stop_loss  seed  steps  loss    success@T1  sft_s  eval_s")
     # Fixed step counts (no early stop): shows how abrupt the digit-copying transition is.

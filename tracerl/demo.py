@@ -37,6 +37,7 @@ __all__ = [
     "calculator_demos",
     "demo_run_config",
     "ensure_calculator_model",
+    "start_report",
     "example_dir",
     "example_module",
     "write_calculator_tasks",
@@ -54,25 +55,31 @@ class CalculatorRecipe(BaseModel):
     A model that is weak because it is undertrained (early-stopped SFT) is a poor RL start:
     learning to copy digits is a sudden transition whose step varies with the data order, so
     the warm start is erratic (3-80% success), and RL has to teach the copy skill itself,
-    slowly. Instead the model first learns the whole task from clean demonstrations (~96%
-    success), then a short second SFT on demonstrations where a lazy expert often answers
-    with the unevaluated expression instead of calling the calculator. The result knows how
-    to use the tool but mostly does not (~30-38% success at temperature 1): the situation of
-    an agent whose model under-uses its tools, and the one RL fixes from rewards alone.
+    slowly. Instead the model first learns the whole task from clean demonstrations, then a
+    short second SFT on demonstrations where a lazy expert often answers with the
+    unevaluated expression instead of calling the calculator. The result knows how to use
+    the tool but mostly does not (~25-38% success at temperature 1): the situation of an
+    agent whose model under-uses its tools, and the one RL fixes from rewards alone.
 
-    The skill stage sets RL's ceiling: RL teaches the habit, not the copying, and the
-    failures left after RL are miscopied numbers. 1,500 skill steps (96.0% success at
-    temperature 1, over 400 rollouts) end the demo at 94.5-98% held out; 1,000 (90.8%) ended
-    it at 88.5-91.5%. The seed matters more than the steps: seed 1's base model learns to
-    copy late (held-out exact match 0.85 at 1,500 steps, 0.91 at 3,000; seed 0's 0.97, 0.98).
+    The skill stage sets RL's ceiling (RL teaches the habit, not the copying), and when the
+    copy skill appears depends on the seed and on the CPU's arithmetic: in fp32 on an AVX2
+    CPU, seed 1's held-out exact match was 0.33 at step 400 and 0.99 at 1,500, seed 0's
+    0.93 at 400. So the stage trains until the skill is measured, never for a fixed count:
+    10% of its demos are held out and every 50 steps scored by their sampled match, the
+    probability that sampling at temperature 1 (as the agent does) copies a demo whole; it
+    stops at `skill_target`, `skill_cap` being only a safety limit, and the learning rate is
+    constant until then (tracerl.models.sft).
     """
 
     model_config = ConfigDict(frozen=True, extra="forbid", use_attribute_docstrings=True)
 
     demos: int = Field(default=4000, ge=1)
     """Expert demonstrations per stage."""
-    skill_steps: int = Field(default=1500, ge=1)
-    """SFT steps on clean demonstrations (lr 2e-3, batch 16)."""
+    skill_target: float = Field(default=0.9, gt=0, le=1)
+    """Held-out sampled match (the probability that a temperature-1 sample copies a clean
+    demo whole) at which the skill stage stops; lr 2e-3, batch 16."""
+    skill_cap: int = Field(default=3000, ge=1)
+    """Most skill steps: a safety limit (the demo says before training when it came first)."""
     lazy_rate: float = Field(default=0.65, ge=0.0, le=1.0)
     """Share of stage-two demonstrations that answer without the calculator."""
     habit_steps: int = Field(default=150, ge=0)
@@ -88,12 +95,19 @@ class CalculatorRecipe(BaseModel):
     def name(self) -> str:
         """The cache directory name: one per distinct recipe."""
         return (
-            f"calculator-tiny{self._shape()}-skill{self.skill_steps}-lazy{self.lazy_rate:g}x"
+            f"calculator-tiny{self._shape()}-{self._skill()}-lazy{self.lazy_rate:g}x"
             f"{self.habit_steps}at{self.habit_lr:g}-n{self.demos}-seed{self.seed}"
         )
 
+    def skill_name(self) -> str:
+        """The cache directory name of the skill stage."""
+        return f"calculator-tiny{self._shape()}-{self._skill()}-n{self.demos}-seed{self.seed}"
+
+    def _skill(self) -> str:
+        return f"skill-s{self.skill_target:g}-cap{self.skill_cap}"
+
     def _shape(self) -> str:
-        """ "" for the default shape (so existing caches stay valid), else -h<heads>."""
+        """ "" for the default shape, else -h<heads>."""
         return "" if self.heads == 4 else f"-h{self.heads}"
 
 
@@ -137,7 +151,7 @@ def ensure_calculator_model(recipe: CalculatorRecipe | None = None, rebuild: boo
 def _build_calculator_model(
     recipe: CalculatorRecipe, models: Path, out: Path, rebuild: bool
 ) -> Path:
-    from tracerl.models.sft import SftConfig, sft
+    from tracerl.models.sft import SftConfig, sft, split_holdout
     from tracerl.models.template import render_chat
     from tracerl.models.tiny import TinyModelConfig, build_tiny_model
 
@@ -146,17 +160,56 @@ def _build_calculator_model(
     if rebuild or not (base / "config.json").exists():
         texts = [render_chat(d.messages, d.tools) for d in clean]
         build_tiny_model(base, texts, TinyModelConfig(seed=recipe.seed, num_heads=recipe.heads))
-    skilled = (
-        models / f"calculator-tiny{recipe._shape()}-skill{recipe.skill_steps}-seed{recipe.seed}"
-    )
-    if rebuild or not (skilled / "config.json").exists():
-        sft(base, clean, skilled, SftConfig(steps=recipe.skill_steps, seed=recipe.seed))
+    skilled = models / recipe.skill_name()
+    skill = SftConfig(
+        steps=recipe.skill_cap, target=recipe.skill_target, target_metric="sampled",
+        holdout=0.1, eval_every=50, seed=recipe.seed,
+    )  # fmt: skip
+    # A killed build continues from its checkpoint (resume), a finished stage is kept.
+    sft(base, clean, skilled, skill, resume=not rebuild)
     if recipe.habit_steps == 0:
         return skilled
     lazy = calculator_demos(recipe.demos, recipe.seed + 2000, recipe.lazy_rate)
-    habit = SftConfig(steps=recipe.habit_steps, lr=recipe.habit_lr, seed=recipe.seed)
-    sft(skilled, lazy, out, habit)
+    habit = SftConfig(
+        steps=recipe.habit_steps, lr=recipe.habit_lr, seed=recipe.seed,
+        eval_every=recipe.habit_steps,
+    )  # fmt: skip
+    # Scored at its end on the skill stage's held-out clean demos: the start's success.
+    _, held = split_holdout(clean, skill.holdout, skill.seed)
+    sft(skilled, lazy, out, habit, resume=not rebuild, score_on=held)
     return out
+
+
+def start_report(recipe: CalculatorRecipe) -> list[str]:
+    """What the built start measured, said before training: the skill stage's held-out
+    scores (and a warning when its cap came before the target), and the estimated success
+    of the weak start."""
+    from tracerl.models.sft import SftResult
+
+    models = cache_dir() / "models"
+    lines = []
+    skill = SftResult.model_validate_json((models / recipe.skill_name() / "sft.json").read_text())
+    last = skill.held_out[-1] if skill.held_out else None
+    if last is not None:
+        lines.append(
+            f"start: skill stage {skill.steps} steps ({skill.precision}), held-out exact match "
+            f"{last.exact_match:.3f}, sampled match {last.sampled_match or 0:.3f}"
+        )
+    if skill.target_reached is False:
+        lines.append(
+            f"[yellow]warning: the skill stage's cap ({recipe.skill_cap} steps) came before its "
+            f"target {recipe.skill_target:g}: RL's ceiling is the skill, so the demo may end "
+            f"below 90% (rebuild with a higher --recipe.skill_cap)[/yellow]"
+        )
+    habit_json = models / recipe.name() / "sft.json"
+    if recipe.habit_steps and habit_json.exists():
+        habit = SftResult.model_validate_json(habit_json.read_text())
+        if habit.held_out and habit.held_out[-1].sampled_match is not None:
+            estimate = habit.held_out[-1].sampled_match
+            lines.append(
+                f"start: weak by design, estimated success at temperature 1 {estimate:.1%}"
+            )
+    return lines
 
 
 def write_calculator_tasks(path: Path, train: int, held_out: int) -> Path:

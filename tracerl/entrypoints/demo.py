@@ -7,7 +7,7 @@ from pathlib import Path
 
 from rich.console import Console
 
-from tracerl.demo import DemoConfig, demo_run_config
+from tracerl.demo import DemoConfig, demo_run_config, start_report
 from tracerl.entrypoints import quiet_model_loading
 from tracerl.pipeline.run import train
 from tracerl.traces import remember_store
@@ -20,6 +20,9 @@ def main(cfg: DemoConfig, console: Console) -> None:
     console.print(f"[bold]tracerl demo[/bold]: calculator agent, tiny model, {cfg.device}")
     run_cfg = demo_run_config(cfg)
     console.print(f"model: {run_cfg.model} (ready in {time.perf_counter() - started:.0f} s)")
+    if not cfg.model:  # the demo's own start: say what its build measured, before training
+        for line in start_report(cfg.recipe):
+            console.print(line, highlight=False)
     remember_store(Path(run_cfg.runs) / run_cfg.name / "traces.db")
     summary = train(run_cfg)
     wall = time.perf_counter() - started

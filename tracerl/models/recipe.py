@@ -27,7 +27,15 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, JsonValue
 
-from tracerl.models.sft import Demo, Say, SftConfig, SftResult, sft, sft_new_or_base
+from tracerl.models.sft import (
+    Demo,
+    Say,
+    SftConfig,
+    SftResult,
+    sft,
+    sft_new_or_base,
+    split_holdout,
+)
 
 __all__ = ["HabitStage", "corrupt", "degrade", "skill_then_habit"]
 
@@ -100,8 +108,11 @@ def skill_then_habit(
     mixed = [degrade(d, rng) if rng.random() < habit.rate else d for d in demos]
     cfg = skill.model_copy(
         update={"steps": habit.steps, "lr": habit.lr, "stop_loss": None, "holdout": 0.0,
-                "target": None}
+                "target": None, "eval_every": habit.steps}
     )  # fmt: skip
-    habituated = sft(skilled.out_dir, mixed, out, cfg, resume=resume, say=say)
+    # Scored once at its end on the skill stage's held-out clean demos: their sampled match
+    # estimates the start's success at temperature 1 (how weak the habit left it).
+    _, held = split_holdout(demos, skill.holdout, skill.seed)
+    habituated = sft(skilled.out_dir, mixed, out, cfg, resume=resume, say=say, score_on=held)
     on_stage("habit", habituated)
     return skilled, habituated

@@ -304,9 +304,13 @@ def sft(
     cfg: SftConfig | None = None,
     resume: bool = False,
     say: Say | None = None,
+    score_on: Sequence[Demo | EncodedDemo] = (),
 ) -> SftResult:
     """Fine-tune the HF model in `base_dir` on `demos` and save model + tokenizer to `out_dir`
     (with cfg.holdout, on the demos it does not hold out).
+
+    score_on: examples to score at each check instead of a held-out share of `demos` (which
+    needs cfg.holdout 0): e.g. clean demos, while training on a mixture of other ones.
 
     resume: continue from `out_dir`'s checkpoint when there is one (ValueError when it was
     made with other settings), and return the finished result when `out_dir` already holds
@@ -315,8 +319,10 @@ def sft(
     cfg = cfg or SftConfig()
     if not demos:
         raise ValueError("no demonstrations")
-    if cfg.target is not None and cfg.holdout <= 0:
+    if cfg.target is not None and cfg.holdout <= 0 and not score_on:
         raise ValueError("a held-out target needs a holdout share above 0")
+    if score_on and cfg.holdout > 0:
+        raise ValueError("score on a holdout share or on given examples, not both")
     say = say or (tqdm.write if cfg.progress else _ignore)
     out = Path(out_dir)
     checkpointer = Checkpointer(out, cfg.model_dump_json(exclude={"progress"}))
@@ -330,6 +336,7 @@ def sft(
     model = AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32)
     model.to(torch.device(cfg.device))  # type: ignore[arg-type]
     encoded, held = split_holdout(encode_all(tokenizer, demos), cfg.holdout, cfg.seed)
+    held = held or (encode_all(tokenizer, score_on) if score_on else [])
     optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
     schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, _lr_factor(cfg))
     state = checkpointer.load(model, optimizer, schedule) if resume else None
