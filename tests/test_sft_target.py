@@ -163,9 +163,29 @@ def test_sft_says_its_plan_and_records_its_precision(base_dir: Path, tmp_path: P
     text = "\n".join(lines)
     assert "32 examples trained on, 8 held out (scored every 5 steps)" in text
     assert "batch 8, until held-out exact match >= 1, at most 12 steps" in text
-    assert "constant (the 12-step cap does not shape it)" in text
+    assert "constant until the target (the 12-step cap does not shape it)" in text
     assert "precision: " in text and "s a step here" in text
     expected = choose_precision("auto", "cpu")
     assert (result.precision, result.precision_reason) == (expected.name, expected.line())
     saved = SftResult.model_validate_json((tmp_path / "out" / "sft.json").read_text())
     assert saved.precision == expected.name and saved.train_examples == 32
+
+
+def test_reaching_the_target_starts_a_cooldown_then_a_last_check(
+    base_dir: Path, tmp_path: Path
+) -> None:
+    """Constant rate until the target, then `cooldown` steps decaying to zero, a last check,
+    and the same weights after an interruption inside the cooldown."""
+    cfg = FAST.model_copy(update={"steps": 200, "holdout": 0.2, "target": 0.5, "cooldown": 7})
+    result = sft(base_dir, DEMOS, tmp_path / "out", cfg)
+    reached = next(c.step for c in result.held_out if c.exact_match >= 0.5)
+    assert result.target_reached and result.steps == reached + 7
+    assert result.held_out[-1].step == reached + 7  # the last check, after the cooldown
+    assert all(c.step % 5 == 0 for c in result.held_out[:-1])
+    sft_module = importlib.import_module("tracerl.models.sft")
+    state = sft_module.SftState(cooldown_from=reached)
+    factor = sft_module._lr_factor(cfg, state)
+    assert factor(reached - 1) == 1.0 and factor(reached + 7) == 0.0
+    assert factor(reached + 1) == pytest.approx(1 - 1 / 7)
+    state.cooldown_from = None
+    assert factor(150) == 1.0  # the cap does not shape the rate

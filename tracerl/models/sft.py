@@ -91,6 +91,10 @@ class SftConfig(_Record):
     (what an agent sampling at temperature 1 gets; stricter)."""
     eval_every: int = Field(default=50, ge=1)
     """Steps between held-out checks."""
+    cooldown: int = Field(default=0, ge=0)
+    """With a `target`: once it is reached (or the cap), this many more steps with the rate
+    decaying linearly to zero, then a last check: the polish a decaying rate gives, without a
+    schedule that depends on the cap. 0 stops at once."""
     batch_size: int = Field(default=16, ge=1)
     """Conversations per step."""
     lr: float = Field(default=2e-3, gt=0)
@@ -175,15 +179,19 @@ def _order(n: int, steps: int, batch_size: int, seed: int) -> list[list[int]]:
     return [flat[s * batch_size : (s + 1) * batch_size] for s in range(steps)]
 
 
-def _lr_factor(cfg: SftConfig) -> Callable[[int], float]:
-    """The schedule: warmup, then cosine to zero over `steps` (no target) or constant (a
-    target, where `steps` is only a cap)."""
+def _lr_factor(cfg: SftConfig, state: SftState) -> Callable[[int], float]:
+    """The schedule: warmup, then cosine to zero over `steps` (no target), or constant (a
+    target, where `steps` is only a cap) until the cooldown `state` says has begun, then
+    linear to zero over cfg.cooldown steps."""
 
     def factor(step: int) -> float:
         if step < cfg.warmup:
             return (step + 1) / cfg.warmup
         if cfg.target is not None:
-            return 1.0
+            if state.cooldown_from is None:
+                return 1.0
+            done = (step - state.cooldown_from) / max(1, cfg.cooldown)
+            return min(1.0, max(0.0, 1.0 - done))
         progress = (step - cfg.warmup) / max(1, cfg.steps - cfg.warmup)
         return 0.5 * (1.0 + math.cos(math.pi * min(1.0, progress)))
 
@@ -194,7 +202,8 @@ def schedule_words(cfg: SftConfig) -> str:
     """The schedule in words, for the run's header."""
     warm = f"{cfg.warmup} warmup steps, then " if cfg.warmup else ""
     if cfg.target is not None:
-        return f"{warm}constant (the {cfg.steps}-step cap does not shape it)"
+        cool = f", then {cfg.cooldown} steps linear to 0" if cfg.cooldown else ""
+        return f"{warm}constant until the target (the {cfg.steps}-step cap does not shape it){cool}"
     return f"{warm}cosine to 0 over {cfg.steps} steps"
 
 
@@ -338,9 +347,11 @@ def sft(
     encoded, held = split_holdout(encode_all(tokenizer, demos), cfg.holdout, cfg.seed)
     held = held or (encode_all(tokenizer, score_on) if score_on else [])
     optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
-    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, _lr_factor(cfg))
-    state = checkpointer.load(model, optimizer, schedule) if resume else None
-    state = state or SftState()
+    state = SftState()  # the schedule reads its cooldown; a checkpoint fills it in place
+    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, _lr_factor(cfg, state))
+    if resume and (saved := checkpointer.load(model, optimizer, schedule)) is not None:
+        for key in SftState.model_fields:
+            setattr(state, key, getattr(saved, key))
     say(_header(cfg, precision, len(encoded), len(held), state))
     loop = _Loop(cfg, model, optimizer, schedule, pad_token_id(tokenizer), encoded, held)
     state = loop.run(state, precision.bf16, checkpointer, say)
@@ -359,6 +370,7 @@ def _header(
     held = f", {n_held} held out (scored every {cfg.eval_every} steps)" if n_held else ""
     goal = (
         f"until held-out {cfg.target_metric} match >= {cfg.target:g}, at most {cfg.steps} steps"
+        + (f" (then {cfg.cooldown} to cool down)" if cfg.cooldown else "")
         if cfg.target is not None
         else f"{cfg.steps} steps"
     )
@@ -393,10 +405,11 @@ class _Loop:
     def run(self, state: SftState, bf16: bool, checkpointer: Checkpointer, say: Say) -> SftState:
         cfg = self.cfg
         self.model.train()
-        order = _order(len(self.encoded), cfg.steps, cfg.batch_size, cfg.seed)
+        last = cfg.steps + (cfg.cooldown if cfg.target is not None else 0)
+        order = _order(len(self.encoded), last, cfg.batch_size, cfg.seed)
         bar = tqdm(total=cfg.steps, initial=state.step, disable=not cfg.progress, desc="sft")
         start, timed = time.perf_counter() - state.wall_s, None
-        while state.step < cfg.steps and not state.done:
+        while state.step < last and not state.done:
             batch = collate([self.encoded[i] for i in order[state.step]], self.pad_id, cfg.max_len)
             batch = tuple(t.to(cfg.device) for t in batch)  # type: ignore[assignment]
             t0 = time.perf_counter()
@@ -416,17 +429,25 @@ class _Loop:
         return state
 
     def _after_step(self, state: SftState, bar: tqdm) -> None:
-        """Loss on the bar, a held-out check when due, and whether to stop."""
+        """Loss on the bar, a held-out check when due, and whether to stop or cool down."""
         cfg = self.cfg
         recent = sum(state.losses[-cfg.log_every :]) / min(cfg.log_every, len(state.losses))
         postfix = {"loss": f"{recent:.3f}"}
-        if self.held and (state.step % cfg.eval_every == 0 or state.step == cfg.steps):
+        cooled = (
+            state.cooldown_from is not None and state.step >= state.cooldown_from + cfg.cooldown
+        )
+        due = state.step % cfg.eval_every == 0 or state.step == cfg.steps or cooled
+        if self.held and due:
             exact, sampled = score_held_out(self.model, self.held, self.pad_id, cfg.max_len)
             state.checks.append(
                 HeldOutCheck(step=state.step, exact_match=exact, sampled_match=sampled)
             )
             score = exact if cfg.target_metric == "exact" else sampled
-            state.done = cfg.target is not None and score >= cfg.target
+            if cfg.target is not None and score >= cfg.target and state.cooldown_from is None:
+                self._stable_phase_over(state)
+        if cfg.target is not None and state.step == cfg.steps and state.cooldown_from is None:
+            self._stable_phase_over(state)  # the cap: cool down all the same
+        state.done = state.done or cooled
         if state.checks:
             last = state.checks[-1]
             postfix["held_out"] = f"{last.exact_match:.3f}"
@@ -434,6 +455,13 @@ class _Loop:
         bar.set_postfix(postfix, refresh=False)
         if cfg.stop_loss is not None and len(state.losses) >= cfg.log_every:
             state.done = state.done or recent < cfg.stop_loss
+
+    def _stable_phase_over(self, state: SftState) -> None:
+        """The target is reached (or the cap): cool down, or stop when there is none."""
+        if self.cfg.cooldown:
+            state.cooldown_from = state.step
+        else:
+            state.done = True
 
 
 def _expected_time(cfg: SftConfig, state: SftState) -> str:
@@ -458,7 +486,8 @@ def _result(
     return SftResult(
         out_dir=str(out),
         steps=state.step,
-        stopped_early=state.step < cfg.steps,
+        stopped_early=state.step < cfg.steps
+        or (state.cooldown_from is not None and state.cooldown_from < cfg.steps),
         final_loss=sum(tail) / len(tail) if tail else math.nan,
         losses=state.losses,
         wall_s=state.wall_s,

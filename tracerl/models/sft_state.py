@@ -64,6 +64,8 @@ class SftState(BaseModel):
     """Seconds of the training loop, checks included."""
     done: bool = False
     """A stop condition (target, stop_loss) was met."""
+    cooldown_from: int | None = None
+    """The step the cooldown began at (the target was reached, or the cap); None before."""
     resumed: int | None = None
     """The step this process resumed at, None when it started from step 0."""
 
