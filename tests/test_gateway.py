@@ -283,6 +283,17 @@ def test_reward_over_http(served) -> None:  # type: ignore[no-untyped-def]
     assert resp.status_code == 400 and "not both" in resp.json()["error"]["message"]
 
 
+@pytest.mark.parametrize("content", [b'{"value": 1e308}', b'{"value": -1e7}'])
+def test_absurd_rewards_are_refused(served, content: bytes) -> None:  # type: ignore[no-untyped-def]
+    """Regression: {"value": 1e308} was stored, and GRPO over it raised OverflowError."""
+    server, store, _ = served
+    rid = running_rollout(store)
+    resp = httpx.post(f"{server.url}/rollouts/{rid}/reward", content=content)
+    assert resp.status_code == 400 and "value" in resp.json()["error"]["message"]
+    assert store.rewards(rid) == []
+    assert httpx.post(f"{server.url}/rollouts/{rid}/reward", json={"value": 1e6}).status_code == 200
+
+
 def test_bounded_memory_recovers_call_numbers_from_the_store(tiny_model_dir: Path) -> None:
     tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
     store = SqliteStore(":memory:")

@@ -124,7 +124,7 @@ class ServeCommand(ServingConfig):
     a command line is visible to every user of the machine. No keys: every route open."""
     limits: Limits = Limits()
     """Bounds on one request: body size and arrival time, n, max_tokens, calls in flight
-    per rollout."""
+    per rollout, the lease a runner may hold."""
 
 
 class EvalCommand(ServingConfig):
