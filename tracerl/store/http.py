@@ -47,12 +47,15 @@ from tracerl.store.wire import (
     ENQUEUE,
     FINISH,
     HEARTBEAT,
+    ISSUE,
+    ISSUED,
     LIMIT_MAX,
     PV,
     REQUEUE,
     REWARD,
     REWARDS,
     ROLLOUTS,
+    SEQS,
     SPANS,
     STATUS,
     TASKS,
@@ -231,6 +234,15 @@ def store_router(
         await call(store.add_spans, await _parse(request, SPANS))
         return Response(status_code=204)
 
+    @r.post(
+        "/spans/append",
+        response_model=list[int],
+        responses=errors_doc(404, 409, 422),
+        openapi_extra=body_doc(SPANS),
+    )
+    async def append_spans(request: Request) -> Response:
+        return _json(SEQS, await call(store.append_spans, await _parse(request, SPANS)))
+
     @r.get(
         "/rollouts/{rollout_id}/spans", response_model=list[Span], responses=errors_doc(404, 422)
     )
@@ -271,6 +283,14 @@ def store_router(
     async def publish_version(request: Request) -> Response:
         await call(store.publish_version, await _parse(request, PV))
         return Response(status_code=204)
+
+    @r.post(
+        "/versions/issue", response_model=int, responses=errors_doc(422),
+        openapi_extra=body_doc(ISSUE),
+    )  # fmt: skip
+    async def issue_version(request: Request) -> Response:
+        b = await _parse(request, ISSUE)
+        return _json(ISSUED, await call(store.issue_version, b.roles))
 
     @r.get("/versions/latest", response_model=PolicyVersion | None, responses=errors_doc(422))
     async def latest_version(role: str = "policy") -> Response:

@@ -32,6 +32,7 @@ __all__ = [
     "EnqueueRequest",
     "FinishRequest",
     "HeartbeatRequest",
+    "IssueRequest",
     "RequeueRequest",
     "RewardRequest",
     "body_doc",
@@ -111,6 +112,13 @@ class RewardRequest(Reward):
     """The reward."""
 
 
+class IssueRequest(_Body):
+    """Body of POST /store/versions/issue."""
+
+    roles: list[str] = Field(min_length=1)
+    """The roles the new version's weights will be served in."""
+
+
 class Claimed(Rollout):
     """A rollout as POST /store/claim returns it: the rollout and its agent's key."""
 
@@ -133,6 +141,9 @@ FINISH = TypeAdapter(FinishRequest)
 REQUEUE = TypeAdapter(RequeueRequest)
 REWARD = TypeAdapter(RewardRequest)
 PV = TypeAdapter(PolicyVersion)
+ISSUE = TypeAdapter(IssueRequest)
+SEQS = TypeAdapter(list[int])
+ISSUED = TypeAdapter(int)
 
 # -- the OpenAPI document ---------------------------------------------------------------
 
