@@ -7,7 +7,7 @@ import math
 import pytest
 
 from tracerl.algorithms.advantages import GRPO, RLOO, DrGRPO, compute_advantages
-from tracerl.types import Transition
+from tracerl.types import REWARD_LIMIT, Transition
 
 
 def row(
@@ -146,3 +146,32 @@ def test_groups_and_roles_are_separate_baselines() -> None:
         ("a", "critic"): 0.0,
         ("b", "critic"): 0.0,
     }
+
+
+@pytest.mark.parametrize("algo", [GRPO(), RLOO(), DrGRPO()], ids=["grpo", "rloo", "drgrpo"])
+@pytest.mark.parametrize(
+    "rewards",
+    [[1e308, 1e308, 0.0, 0.0], [-1e308, 1e308, 0.0, 1.0], [math.inf, 0.0, math.nan, 1.0]],
+    ids=["huge", "huge-both-signs", "non-finite"],
+)
+def test_extreme_rewards_give_finite_advantages(algo, rewards: list[float]) -> None:  # type: ignore[no-untyped-def]
+    """Regression: GRPO over [1e308, 1e308, 0, 0] raised OverflowError and RLOO gave -inf.
+    What an in-process reward function returns never passes the API's bound: the advantage
+    code reads a reward beyond REWARD_LIMIT as the limit, and NaN as 0 (a missing one)."""
+    group = [row(f"r{i}", r, [0, 1, 1]) for i, r in enumerate(rewards)]
+    out = per_row_adv(compute_advantages(algo, group))
+    assert all(math.isfinite(a) for a in out.values())
+    bounded = [0.0 if math.isnan(r) else max(-REWARD_LIMIT, min(REWARD_LIMIT, r)) for r in rewards]
+    like = per_row_adv(compute_advantages(algo, [row(f"r{i}", r, [0, 1, 1])
+                                                 for i, r in enumerate(bounded)]))  # fmt: skip
+    assert out == like
+    ranks = sorted(range(4), key=lambda i: bounded[i])
+    assert [out[(f"r{i}", i)] for i in ranks] == sorted(out.values())  # higher reward, higher A
+
+
+def test_grpo_is_scale_free_up_to_the_limit() -> None:
+    small = per_row_adv(compute_advantages(GRPO(), [row(f"r{i}", r, [1]) for i, r in
+                                                    enumerate([1.0, 1.0, 0.0, 0.0])]))  # fmt: skip
+    big = per_row_adv(compute_advantages(GRPO(), [row(f"r{i}", r, [1]) for i, r in
+                                                  enumerate([1e308, 1e308, 0.0, 0.0])]))  # fmt: skip
+    assert big == pytest.approx(small, rel=1e-5)

@@ -73,8 +73,9 @@ class Stack:
     def __init__(self, tokenizer_dir: Path, db: Path) -> None:
         tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
         self.engine = ScriptedEngine(tokenizer)
-        self.engine.policy_version = 0
         self.store = SqliteStore(db)
+        # As the real stack does: the starting weights' version comes from the store.
+        self.engine.policy_version = self.store.issue_version(["policy"])
         gateway = Gateway(self.store, {"policy": ServedModel("policy", self.engine, tokenizer)})
         self.server: BackgroundServer = serve_in_thread(create_app(gateway))
         self.threads = ThreadPoolExecutor(16)

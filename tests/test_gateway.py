@@ -283,6 +283,39 @@ def test_reward_over_http(served) -> None:  # type: ignore[no-untyped-def]
     assert resp.status_code == 400 and "not both" in resp.json()["error"]["message"]
 
 
+@pytest.mark.parametrize("content", [b'{"value": 1e308}', b'{"value": -1e7}'])
+def test_absurd_rewards_are_refused(served, content: bytes) -> None:  # type: ignore[no-untyped-def]
+    """Regression: {"value": 1e308} was stored, and GRPO over it raised OverflowError."""
+    server, store, _ = served
+    rid = running_rollout(store)
+    resp = httpx.post(f"{server.url}/rollouts/{rid}/reward", content=content)
+    assert resp.status_code == 400 and "value" in resp.json()["error"]["message"]
+    assert store.rewards(rid) == []
+    assert httpx.post(f"{server.url}/rollouts/{rid}/reward", json={"value": 1e6}).status_code == 200
+
+
+def test_two_gateways_serving_one_attempt_number_its_calls_in_turn(tiny_model_dir: Path) -> None:
+    """Regression: each gateway process kept the next span number itself, so a call served
+    by one gateway after the other had served one reused its seq: a 500 after sampling."""
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    store = SqliteStore(":memory:")
+    servers = [
+        serve_in_thread(create_app(Gateway(
+            store, {"policy": ServedModel("policy", ScriptedEngine(tokenizer), tokenizer)}
+        )))
+        for _ in range(2)
+    ]  # fmt: skip
+    try:
+        rid = running_rollout(store)
+        for server in (servers[0], servers[1], servers[0]):
+            _client(server.url, rid).chat.completions.create(model="policy", messages=MESSAGES)
+        assert [s.seq for s in store.spans(rid)] == [0, 1, 2]
+    finally:
+        for server in servers:
+            server.stop()
+        store.close()
+
+
 def test_bounded_memory_recovers_call_numbers_from_the_store(tiny_model_dir: Path) -> None:
     tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
     store = SqliteStore(":memory:")

@@ -33,9 +33,9 @@ class SlowStore(SqliteStore):
         time.sleep(self.delay_s)
         return super().get_rollout(rollout_id)
 
-    def add_spans(self, spans: list[Span]) -> None:
+    def append_spans(self, spans: list[Span]) -> list[int]:
         time.sleep(self.delay_s)
-        super().add_spans(spans)
+        return super().append_spans(spans)
 
 
 @pytest.fixture

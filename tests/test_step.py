@@ -124,6 +124,95 @@ def test_policy_versions_point_only_at_written_checkpoints(
     assert Path(second.path).is_dir() and (Path(second.path) / "config.json").exists()
 
 
+def _span_versions(store: Store) -> set[int]:
+    """The policy version of every span recorded so far."""
+    return {s.policy_version for r in store.rollouts() for s in store.spans(r.id)}
+
+
+def test_a_resumed_run_serves_versions_no_earlier_span_carries(
+    stack: Stack, tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    """Regression: versions counted steps, so after a crash the steps past the checkpoint
+    reused the numbers that spans of the lost weights carried, and an async run's staleness
+    (current - span version) went negative."""
+    first = _pipeline(stack, stack.store, tiny_model_dir, tmp_path, "sync", Curation([], 2),
+                      checkpoint_every=2)  # fmt: skip
+    for _ in range(3):  # checkpointed at step 2; step 3's weights die with the process
+        first.run_step()
+    first.source.batch(first.step)  # ... after sampling a batch
+    lost = _span_versions(stack.store)
+    assert len(lost) == 4
+    first.source.close()
+    again = Stack(tiny_model_dir, tmp_path / "traces.db")  # a new process on the same store
+    try:
+        second = _pipeline(again, again.store, tiny_model_dir, tmp_path, "sync",
+                           Curation([], 2), checkpoint_every=2)  # fmt: skip
+        assert second.resume() == 2
+        served = again.engine.policy_version
+        assert served > max(lost)  # so no staleness is negative
+        assert second.policies[0].trainer.version == served  # what the async source reads
+        latest = again.store.latest_version()
+        assert latest is not None and latest.version == served
+        assert Path(latest.path) == second.checkpoints.model_dir(2)
+        for _ in range(3):  # the batches of steps 3 and 4 are in the store; 5's is sampled
+            second.run_step()
+        fresh = _span_versions(again.store) - lost
+        assert fresh and min(fresh) > served
+        assert again.engine.policy_version > max(fresh)
+    finally:
+        again.close()
+
+
+@pytest.mark.parametrize("at_start", [True, False], ids=["start-checkpointed", "none"])
+def test_a_run_resumed_before_its_first_step_checkpoint_moves_on_too(
+    stack: Stack, tiny_model_dir: Path, tmp_path: Path, at_start: bool
+) -> None:
+    """The held-out evaluation before training checkpoints step 0 (guard.keep_best); a
+    crash before the next checkpoint resumes there, or from nothing at all."""
+    first = _pipeline(stack, stack.store, tiny_model_dir, tmp_path, "sync", Curation([], 2),
+                      checkpoint_every=5)  # fmt: skip
+    if at_start:
+        first.save_checkpoint()
+    first.run_step()
+    first.source.batch(first.step)
+    lost = _span_versions(stack.store)
+    first.source.close()
+    again = Stack(tiny_model_dir, tmp_path / "traces.db")
+    try:
+        second = _pipeline(again, again.store, tiny_model_dir, tmp_path, "sync",
+                           Curation([], 2), checkpoint_every=5)  # fmt: skip
+        assert second.resume() == 0
+        served = again.engine.policy_version
+        assert served > max(lost) and second.policies[0].trainer.version == served
+        second.run_step()
+        assert again.engine.policy_version > served
+    finally:
+        again.close()
+
+
+def test_a_rollback_serves_the_restored_weights_under_a_new_version(
+    stack: Stack, tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    """Regression: restored weights were served under the collapsed weights' number."""
+    from tracerl.pipeline.guards import rollback
+
+    pipeline = _pipeline(stack, stack.store, tiny_model_dir, tmp_path, "sync", Curation([], 2))
+    try:
+        for _ in range(2):
+            pipeline.run_step()
+        pipeline.source.batch(pipeline.step)  # the collapsed weights' spans
+        collapsed = _span_versions(stack.store)
+        rollback(pipeline, 1, 0.5)
+        served = stack.engine.policy_version
+        assert served not in collapsed and served > max(collapsed)
+        latest = stack.store.latest_version()
+        # Its checkpoint is the rollback's own, of the restored state.
+        assert latest is not None and latest.version == served
+        assert Path(latest.path) == pipeline.checkpoints.model_dir(pipeline.step)
+    finally:
+        pipeline.source.close()
+
+
 def test_each_metric_has_one_name() -> None:
     """Regression: dropped groups were logged as pipeline/ and curation/ at once."""
     from tracerl.metrics import step_values

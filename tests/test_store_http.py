@@ -12,10 +12,12 @@ import httpx
 import pytest
 from fastapi import FastAPI
 
+from tracerl.limits import Limits
 from tracerl.server import serving
 from tracerl.store import LeaseLost, SqliteStore, StoreError
 from tracerl.store.http import (
     StoreClient,
+    create_store_app,
     install_error_handlers,
     store_router,
 )
@@ -183,3 +185,63 @@ def test_large_integers_within_bounds_are_served(http: httpx.Client) -> None:
     last = {"attempt": 2**31 - 1}
     assert http.get("/store/rollouts/nope/spans", params=last).json() == []
     assert http.get("/store/rollouts", params={"limit": 100_000}).status_code == 200
+
+
+@pytest.mark.parametrize(
+    "path, body",
+    [
+        ("/store/claim", {"runner_id": "w", "lease_s": 1e300}),
+        ("/store/rollouts/x/heartbeat", {"attempt": 1, "lease_s": 1e300}),
+        ("/store/sessions", {"key": "k", "lease_s": 1e300}),
+    ],
+)
+def test_leases_past_the_bound_are_422(http: httpx.Client, path: str, body: object) -> None:
+    """Regression: lease_s = 1e300 was accepted, so a dead runner's rollout was never
+    re-queued."""
+    message = assert_error(http.post(path, json=body), 422, "invalid_request_error")
+    assert "lease_s" in message and "3600" in message
+
+
+def test_the_lease_bound_is_configured_and_a_refusal_changes_nothing() -> None:
+    store = SqliteStore()
+    store.add_tasks([Task(id="t0", input={"q": 1})])
+    store.enqueue(["t0"])
+    app = create_store_app(store, limits=Limits(max_lease_s=60))
+    with serving(app) as url, httpx.Client(base_url=url) as http:
+        refused = http.post("/store/claim", json={"runner_id": "w", "lease_s": 61})
+        assert "60" in assert_error(refused, 422, "invalid_request_error")
+        assert store.counts()["queued"] == 1  # nothing claimed
+        (claimed,) = http.post("/store/claim", json={"runner_id": "w", "lease_s": 60}).json()
+        beat = {"attempt": 1, "lease_s": 61}
+        assert_error(http.post(f"/store/rollouts/{claimed['id']}/heartbeat", json=beat), 422,
+                     "invalid_request_error")  # fmt: skip
+        expires = store.get_rollout(claimed["id"]).lease_expires_at
+        assert expires is not None and expires <= claimed["lease_expires_at"]
+    store.close()
+
+
+@pytest.mark.parametrize(
+    "where, content",
+    [
+        ("finish", b'{"attempt": 1, "status": "succeeded", "reward": 1e308}'),
+        ("finish", b'{"attempt": 1, "status": "succeeded", "reward": 1e999}'),
+        ("rewards", b'{"rollout_id": "ID", "attempt": 1, "value": -1e308}'),
+        ("rewards", b'{"rollout_id": "ID", "attempt": 1, "value": 1e999}'),
+        ("rewards", b'{"rollout_id": "ID", "attempt": 1, "value": NaN}'),
+    ],
+)
+def test_absurd_and_non_finite_rewards_are_422_and_not_stored(
+    served: tuple[httpx.Client, SqliteStore, str], where: str, content: bytes
+) -> None:
+    """Regression: a reward of 1e308 was stored, and GRPO over it raised OverflowError."""
+    http, store, _ = served
+    store.enqueue(["t0"])
+    (claimed,) = store.claim("w", 1)  # the oldest queued: earlier tests leave some behind
+    path = f"/store/rollouts/{claimed.id}/finish" if where == "finish" else "/store/rewards"
+    resp = http.post(path, content=content.replace(b"ID", claimed.id.encode()))
+    message = assert_error(resp, 422, "invalid_request_error")
+    assert "reward" in message or "value" in message
+    assert store.rewards(claimed.id) == []
+    assert store.get_rollout(claimed.id).status is RolloutStatus.running
+    within = {"attempt": claimed.attempt, "status": "succeeded", "reward": -1e6}
+    assert http.post(f"/store/rollouts/{claimed.id}/finish", json=within).status_code == 200

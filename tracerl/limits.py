@@ -9,9 +9,10 @@ calls in flight per rollout (429): one runaway agent cannot queue thousands of g
 in front of every other rollout.
 
 `max_n` and `max_tokens` bound each model call (the gateway checks them once the body is
-parsed), and `unless_disconnected` cancels a call whose client has gone: an engine
-generating for nobody only slows everyone else, and a cancelled call is never recorded as
-a span (there is no reply the agent acted on).
+parsed), `max_lease_s` each lease asked of the store API (tracerl.store.http), and
+`unless_disconnected` cancels a call whose client has gone: an engine generating for nobody
+only slows everyone else, and a cancelled call is never recorded as a span (there is no
+reply the agent acted on).
 """
 
 from __future__ import annotations
@@ -48,6 +49,11 @@ class Limits(BaseModel):
     """Largest `max_tokens` a model call may ask for (it is also clipped to the context)."""
     max_in_flight: int = Field(default=64, ge=1)
     """Model calls of one rollout in flight at once (429 beyond)."""
+    max_lease_s: float = Field(default=3600.0, gt=0, allow_inf_nan=False)
+    """Longest lease a claim, heartbeat or session may ask the store API for, in seconds
+    (422 beyond): a runner that dies holding a lease keeps its rollout from being re-queued
+    until the lease runs out. Runners renew theirs (every lease_s / 3), so leases need not
+    be long."""
 
 
 class ClientGone(Exception):

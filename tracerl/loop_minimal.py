@@ -121,9 +121,10 @@ def rl_loop(cfg: MinimalConfig, model_dir: str, agent: Any, reward: Any, tasks: 
                 )  # fmt: skip
             data = [(r.group_id or "", stack.store.spans(r.id), r.reward or 0.0) for r in rollouts]
             loss = update(model, opt, data)
-            stack.engine.load_state_dict(model.state_dict(), step + 1)
+            version = stack.store.issue_version(["policy"])  # never one spans already carry
+            stack.engine.load_state_dict(model.state_dict(), version)
             mean_reward = statistics.fmean(d[2] for d in data)
-            print(f"step {step}: reward {mean_reward:.3f} loss {loss:.6g} version {step + 1}")
+            print(f"step {step}: reward {mean_reward:.3f} loss {loss:.6g} version {version}")
     model.save_pretrained(Path(cfg.out) / "model")
     AutoTokenizer.from_pretrained(model_dir).save_pretrained(Path(cfg.out) / "model")
     stack.close()

@@ -9,10 +9,11 @@ Threads and event loops of one training process (`tracerl train`, pipeline/run.p
 thread, its owner, and what runs on it.
 
 - main (owner: pipeline/run.py `train`): builds this stack, then the training loop:
-  `source.batch`, `Trainer.train`, `publish` (`Engine.load_state_dict`,
-  `store.publish_version`), checkpoints, metrics. In sync mode and for held-out
-  evaluations it also runs the runner's event loop: one `asyncio.run(runner.run(...))`
-  per batch (SyncSource) or evaluation (evaluate.run_rollouts).
+  `source.batch`, `Trainer.train`, `publish` (`store.issue_version`,
+  `Engine.load_state_dict`), checkpoints (`store.publish_version`), metrics. In sync mode
+  and for held-out evaluations it also runs the runner's event loop: one
+  `asyncio.run(runner.run(...))` per batch (SyncSource) or evaluation
+  (evaluate.run_rollouts).
 - `tracerl-http` (owner: this stack, `server`): uvicorn and the gateway's event loop, which
   serves the OpenAI routes, `/rollouts/<id>/reward`, `/health` and the `/store` API.
   Nothing blocks it: it awaits the three kinds of thread below.
@@ -178,7 +179,10 @@ def start_multi_stack(
     if missing:
         raise ValueError(f"roles name policies with no model: {missing}")
     store = open_store(store_path)  # a postgresql:// URL shares the store between machines
-    engines = {name: make_engine(path, engine_cfg, place=place) for name, path in models.items()}
+    # The starting weights get a version of their own from the store (0 in a new store): a
+    # store holding an earlier run's spans never sees its numbers again.
+    version = store.issue_version(sorted(roles)) if roles else 0
+    engines = {name: make_engine(path, engine_cfg, version, place) for name, path in models.items()}
     # The gateway renders each role's prompts with its engine's own tokenizer and reads its
     # replies in the role's own format, even where roles share one engine.
     formats = formats or {}

@@ -8,26 +8,31 @@ packs them into compact arrays on disk.
 
 from __future__ import annotations
 
+import math
 import time
 from enum import StrEnum
+from typing import Annotated
 
 from pydantic import BaseModel, ConfigDict, Field, JsonValue, model_validator
 
 __all__ = [
     "FINISHED",
     "HAS_OUTCOME",
+    "REWARD_LIMIT",
     "VALID_TRANSITIONS",
     "FinishedRollout",
     "Generation",
     "Group",
     "PolicyVersion",
     "Reward",
+    "RewardValue",
     "Rollout",
     "RolloutStatus",
     "SamplingParams",
     "Span",
     "Task",
     "Transition",
+    "bounded_reward",
 ]
 
 
@@ -203,6 +208,25 @@ class Reward(_Record):
     """When it was given."""
 
 
+REWARD_LIMIT = 1e6
+"""The largest reward magnitude the HTTP APIs accept (the gateway's POST
+/rollouts/<id>/reward, the store's /finish and /rewards): a reward beyond it, or one that is
+not finite, is refused there (400 / 422), never stored. Rewards in [-1e6, 1e6] keep every
+group statistic finite; a larger one is a bug (a sentinel, an overflow), not a signal."""
+
+RewardValue = Annotated[float, Field(ge=-REWARD_LIMIT, le=REWARD_LIMIT, allow_inf_nan=False)]
+"""A reward as an API request may carry it: finite and within REWARD_LIMIT."""
+
+
+def bounded_reward(value: float | None) -> float:
+    """A stored reward as the training side reads it: a missing or NaN one as 0, and one
+    beyond REWARD_LIMIT (only an in-process reward function can give one) as the limit,
+    with its sign, so that advantages stay finite whatever was recorded."""
+    if value is None or math.isnan(value):
+        return 0.0
+    return max(-REWARD_LIMIT, min(REWARD_LIMIT, value))
+
+
 ENGINE_OUTAGE = "engine_outage"
 """Name of the Reward record the gateway gives an attempt one of whose model calls found no
 engine replica in service (a 503 `engine_unavailable`). What the agent made of the outage
@@ -228,8 +252,9 @@ class FinishedRollout(_Record):
 
     @property
     def reward(self) -> float:
-        """The final reward, a missing one read as 0."""
-        return self.rollout.reward or 0.0
+        """The final reward as the training side reads it (`bounded_reward`: a missing one
+        as 0, one beyond REWARD_LIMIT as the limit)."""
+        return bounded_reward(self.rollout.reward)
 
     @property
     def has_outcome(self) -> bool:

@@ -9,6 +9,9 @@ A rollout's return, for the group statistics, is the mean of its rows' rewards (
 reward when there are no step rewards); each row's advantage uses its own reward against
 the group baseline, so step rewards still separate rows of one rollout. A group whose
 rollout returns are all equal (or that has one rollout) gives zero advantages: no signal.
+Rewards are read through `bounded_reward` (NaN as 0, beyond +-REWARD_LIMIT as the limit):
+the APIs refuse such values, but an in-process reward function can still return one, and
+the statistics must stay finite (GRPO over [1e308, 1e308, 0, 0] would overflow).
 
 Per-rollout normalisation ("a rollout with more calls must not weigh more") is a weight on
 each sampled token, `Transition.weight`, that the loss uses as a weighted mean (see
@@ -33,7 +36,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from tracerl.algorithms.alignment import align_rows
-from tracerl.types import Transition
+from tracerl.types import Transition, bounded_reward
 
 __all__ = ["RLOO", "Algorithm", "DrGRPO", "GRPO", "Normalize", "compute_advantages"]
 
@@ -45,7 +48,7 @@ def _with_advantage(row: Transition, adv: float) -> Transition:
 
 
 def _rollout_return(rows: list[Transition]) -> float:
-    return statistics.fmean(r.reward for r in rows)
+    return statistics.fmean(bounded_reward(r.reward) for r in rows)
 
 
 def _write(
@@ -55,7 +58,7 @@ def _write(
     if max(returns) == min(returns):
         scale = 0.0  # no spread, no signal (also avoids float dust like 0.7 - mean = 1e-16)
     return [
-        _with_advantage(r, (r.reward - b) * scale)
+        _with_advantage(r, (bounded_reward(r.reward) - b) * scale)
         for b, rows in zip(baselines, rollouts, strict=True)
         for r in rows
     ]

@@ -10,16 +10,18 @@ from __future__ import annotations
 from tracerl.algorithms.advantages import Algorithm, compute_advantages
 from tracerl.algorithms.curation import Curation
 from tracerl.algorithms.transitions import spans_to_transitions
-from tracerl.types import FinishedRollout, Group, Transition
+from tracerl.types import FinishedRollout, Group, Transition, bounded_reward
 
 __all__ = ["rollout_rows", "rows_for"]
 
 
 def rollout_rows(f: FinishedRollout, group: Group) -> list[Transition]:
     """One rollout's rows with their returns: the final reward, a role's own reward in place
-    of it for that role, a step reward added to the row holding that call."""
-    steps = {w.span_seq: w.value for w in f.rewards if w.span_seq is not None}
-    by_role = {w.role: w.value for w in f.rewards if w.role is not None}  # last wins
+    of it for that role, a step reward added to the row holding that call (each read
+    through `bounded_reward`, as `f.reward` is, so curation's statistics stay finite)."""
+    steps = {w.span_seq: bounded_reward(w.value) for w in f.rewards if w.span_seq is not None}
+    # A role rewarded twice keeps the last.
+    by_role = {w.role: bounded_reward(w.value) for w in f.rewards if w.role is not None}
     return spans_to_transitions(
         f.spans,
         f.reward,

@@ -124,7 +124,7 @@ class ServeCommand(ServingConfig):
     a command line is visible to every user of the machine. No keys: every route open."""
     limits: Limits = Limits()
     """Bounds on one request: body size and arrival time, n, max_tokens, calls in flight
-    per rollout."""
+    per rollout, the lease a runner may hold."""
 
 
 class EvalCommand(ServingConfig):
@@ -180,8 +180,9 @@ class SftCommand(Command):
     filter: str | None = None
     """With --from-traces: which rollouts and calls, e.g. 'reward >= 1 and role == executor'
     (fields reward, noise, status, split, task, role, version; tracerl/export/filter.py).
-    Default: the rollouts that succeeded (reward at or above --success_threshold), so a
-    failure is never imitated unless asked for ('status != "queued"' takes every one)."""
+    Default: the rollouts that succeeded (status succeeded, reward at or above
+    --success_threshold), so a failure is never imitated unless asked for
+    ('status != "queued"' takes every one)."""
     success_threshold: float = 1.0
     """With --from-traces and no --filter: the reward at or above which a rollout counts as
     a success (a run's own threshold)."""

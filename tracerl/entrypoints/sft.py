@@ -13,7 +13,9 @@ from tracerl.models.sft import Demo, EncodedDemo, SftConfig, SftResult, sft_new_
 
 def trace_filter(cfg: SftCommand) -> str:
     """The filter `--from-traces` reads with: the one given, else the successful rollouts."""
-    return cfg.filter if cfg.filter is not None else f"reward >= {cfg.success_threshold:g}"
+    from tracerl.export.filter import successes
+
+    return cfg.filter if cfg.filter is not None else successes(cfg.success_threshold)
 
 
 def _examples(cfg: SftCommand, console: Console) -> list[Demo | EncodedDemo]:

@@ -14,7 +14,7 @@ from typing import Literal
 
 from pydantic import JsonValue
 
-from tracerl.export.filter import TraceFilter, parse_filter
+from tracerl.export.filter import TraceFilter, parse_filter, successes
 from tracerl.export.select import TraceRow, select_rows, store_path
 from tracerl.store import SqliteStore
 
@@ -28,6 +28,7 @@ __all__ = [
     "read_rows",
     "rows_as_examples",
     "select_rows",
+    "successes",
 ]
 
 Format = Literal["adp", "openai"]

@@ -15,7 +15,9 @@ A filter is clauses joined by `and` (or `,`), each `FIELD OP VALUE`:
 | `version` | a call's policy version: other calls stay as context, untrained | `== != < <= > >=` | integer |
 
 It is parsed by a small tokenizer into typed clauses, never evaluated as code, and a
-mistake is a ValueError naming the clause and what is allowed.
+mistake is a ValueError naming the clause and what is allowed. The readers that make
+training data (`tracerl sft --from-traces`, `tracerl export`) read `successes(threshold)`
+when given no filter; `status != queued` keeps every finished rollout.
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ from typing import Any
 
 from tracerl.types import STATUS_SHOWN
 
-__all__ = ["Clause", "TraceFilter", "parse_filter"]
+__all__ = ["Clause", "TraceFilter", "parse_filter", "successes"]
 
 _OPS: dict[str, Callable[[Any, Any], bool]] = {
     "==": operator.eq,
@@ -115,3 +117,10 @@ def parse_filter(text: str) -> TraceFilter:
         rollout=tuple(c for c in clauses if c.field not in _SPAN_FIELDS),
         call=tuple(c for c in clauses if c.field in _SPAN_FIELDS),
     )
+
+
+def successes(threshold: float) -> str:
+    """The filter of the successful rollouts: finished as succeeded (not failed, not timed
+    out, whatever reward a runner reported with those) with a reward of at least
+    `threshold`, the run's success threshold."""
+    return f"status == succeeded and reward >= {threshold:g}"

@@ -38,6 +38,7 @@ from tracerl.gateway.wire import (  # noqa: F401  ROLLOUT_HEADER is re-exported
 from tracerl.limits import ClientGone, Limits, LimitsMiddleware, unless_disconnected
 from tracerl.store.http import install_error_handlers, store_router
 from tracerl.store.wire import body_doc, errors_doc
+from tracerl.types import RewardValue
 
 log = logging.getLogger(__name__)
 
@@ -45,8 +46,8 @@ log = logging.getLogger(__name__)
 class RewardRequest(BaseModel):
     """A reward an agent emits over HTTP (POST /rollouts/<id>/reward)."""
 
-    value: float
-    """The reward."""
+    value: RewardValue
+    """The reward: finite, within types.REWARD_LIMIT (400 otherwise)."""
     span_seq: int | None = Field(default=None, ge=0, lt=2**31)
     """Seq of the call it rewards, for a per-step reward; None for a final reward."""
     role: str | None = Field(default=None, min_length=1, max_length=128)
@@ -196,7 +197,9 @@ def create_app(
     )
     app.add_api_route("/health", health, methods=["GET"])
     if with_store_api and gateway.store is not None:
-        store_api = store_router(gateway.store, gateway.store_executor, keys, gateway.finished)
+        store_api = store_router(
+            gateway.store, gateway.store_executor, keys, gateway.finished, limits
+        )
         app.include_router(store_api, prefix="/store")
     return app
 

@@ -3,9 +3,9 @@
 The gateway's event loop never calls the store itself: every store call (rollout lookup,
 parent check, span and reward writes) runs on the gateway's store executor, so a slow
 write (a 10 MB message, a busy disk, another process holding the file) never stalls the
-loop. Span seqs are handed out under a per-attempt asyncio lock held across the write, so
-an attempt's spans are numbered in the order they commit, however many of its calls are
-in flight; writes of different attempts run side by side.
+loop. The store numbers each attempt's spans as their writes commit (Store.append_spans),
+so an attempt's calls are numbered in order however many are in flight, and however many
+gateway processes serve it; nothing here keeps a count that another process could reuse.
 
 The response id names the spans: a completion `chatcmpl-<hex>` (or `cmpl-<hex>`) records
 its first choice as span `<hex>` and choice i > 0 as `<hex>-<i>`. Agents that nest (a
@@ -66,18 +66,6 @@ class Call:
     """The engine's end tokens (what a grammar allows once complete, for re-scoring)."""
 
 
-@dataclass
-class _Calls:
-    """What the gateway remembers of one rollout attempt's recorded calls."""
-
-    next_seq: int
-    """Seq of the next span."""
-    span_ids: set[str]
-    """Ids of the spans recorded so far: the parents a call of this attempt may name."""
-    lock: asyncio.Lock = field(default_factory=asyncio.Lock)
-    """Held from choosing seqs until their write commits, so seqs follow commit order."""
-
-
 class SpanRecorder:
     """Looks calls' rollouts up and records their spans, off the event loop."""
 
@@ -86,7 +74,9 @@ class SpanRecorder:
         self.memory = memory
         """Attempts whose call memory is kept; a forgotten one is recovered from the store."""
         self._executor = executor
-        self._calls: OrderedDict[tuple[str, int], _Calls] = OrderedDict()
+        self._calls: OrderedDict[tuple[str, int], set[str]] = OrderedDict()
+        """Per attempt, the ids of the spans this gateway recorded or found in the store:
+        the parents a call of the attempt may name."""
 
     async def _io(self, fn: Callable[..., T], *args: Any) -> T:
         """Run a store call on the store executor."""
@@ -126,11 +116,11 @@ class SpanRecorder:
             return None
         value = value.strip()
         span_id = _span_id(value)
-        calls = await self._attempt_calls(rollout)
-        if span_id not in calls.span_ids:
+        known = self._remember(rollout)
+        if span_id not in known:
             # Another gateway process may have recorded it: the store is the truth.
-            calls.span_ids |= {s.id for s in await self._stored(rollout)}
-        if span_id not in calls.span_ids:
+            known |= {s.id for s in await self._stored(rollout)}
+        if span_id not in known:
             raise GatewayError(
                 400,
                 f"X-Tracerl-Parent '{value}' is not a call of rollout '{rollout.id}' "
@@ -144,10 +134,8 @@ class SpanRecorder:
     async def record(self, rollout: Rollout, call: Call, choices: list[Choice]) -> None:
         """One span per choice of a call the engine served (token ids and log-probs)."""
 
-        def spans(seq: int) -> list[Span]:
-            return [_span(rollout, call, c, seq + c.index) for c in choices]
-
-        await self._write(rollout, spans)
+        ordered = sorted(choices, key=lambda c: c.index)  # the store numbers them in this order
+        await self._write(rollout, [_span(rollout, call, c) for c in ordered])
 
     async def outage(self, rollout: Rollout) -> None:
         """Mark `rollout`'s attempt as having met an engine outage (types.ENGINE_OUTAGE);
@@ -160,11 +148,8 @@ class SpanRecorder:
 
     async def record_text(self, rollout: Rollout, call: Call, body: dict[str, Any]) -> None:
         """One text-only span per choice of a remote role's reply (no ids, version -1)."""
-
-        def spans(seq: int) -> list[Span]:
-            return [_text_span(rollout, call, i, c, seq) for i, c in enumerate(body["choices"])]
-
-        await self._write(rollout, spans)
+        choices = enumerate(body["choices"])
+        await self._write(rollout, [_text_span(rollout, call, i, c) for i, c in choices])
 
     async def reward(self, rollout: Rollout, reward: Reward) -> None:
         """Record a reward the agent posted for its running attempt."""
@@ -174,23 +159,16 @@ class SpanRecorder:
         except (LeaseLost, NotFound) as e:
             raise GatewayError(409, str(e), code="rollout_not_running") from None
 
-    async def _write(self, rollout: Rollout, spans: Callable[[int], list[Span]]) -> None:
-        # Shielded: a call cancelled (its client gone) once its spans are being written
-        # still finishes the write and the seq bookkeeping, or the next call of the attempt
-        # would reuse a seq the store already holds.
-        await asyncio.shield(self._write_numbered(rollout, spans))
-
-    async def _write_numbered(self, rollout: Rollout, spans: Callable[[int], list[Span]]) -> None:
+    async def _write(self, rollout: Rollout, spans: list[Span]) -> None:
+        """Append the spans (the store picks their seqs) and remember their ids. A call
+        cancelled meanwhile still has its write finish on the store thread; a parent lookup
+        that then misses it here finds it in the store."""
         assert self.store is not None
-        calls = await self._attempt_calls(rollout)
-        async with calls.lock:
-            batch = spans(calls.next_seq)
-            try:
-                await self._io(self.store.add_spans, batch)
-            except LeaseLost as e:
-                raise GatewayError(409, str(e), code="rollout_not_running") from None
-            calls.next_seq += len(batch)
-            calls.span_ids.update(s.id for s in batch)
+        try:
+            await self._io(self.store.append_spans, spans)
+        except LeaseLost as e:
+            raise GatewayError(409, str(e), code="rollout_not_running") from None
+        self._remember(rollout).update(s.id for s in spans)
 
     def forget(self, rollout_id: str, attempt: int) -> None:
         """Drop a finished attempt's call memory."""
@@ -200,20 +178,15 @@ class SpanRecorder:
         assert self.store is not None
         return await self._io(self.store.spans, rollout.id, rollout.attempt)
 
-    async def _attempt_calls(self, rollout: Rollout) -> _Calls:
-        """This attempt's call memory; recovered from the store once forgotten."""
+    def _remember(self, rollout: Rollout) -> set[str]:
+        """This attempt's known span ids (a new, empty set once forgotten: `parent` then
+        reads the store), the attempt made the most recently used."""
         key = (rollout.id, rollout.attempt)
-        calls = self._calls.get(key)
-        if calls is not None:
-            return calls
-        spans = await self._stored(rollout)
-        calls = self._calls.get(key)  # another call may have recovered it meanwhile
-        if calls is None:
-            calls = _Calls(next_seq=len(spans), span_ids={s.id for s in spans})
-            self._calls[key] = calls
-            while len(self._calls) > self.memory:
-                self._calls.popitem(last=False)
-        return calls
+        known = self._calls.pop(key, None)
+        self._calls[key] = known = set() if known is None else known
+        while len(self._calls) > self.memory:
+            self._calls.popitem(last=False)
+        return known
 
 
 def _span_id(response_id: str) -> str:
@@ -225,12 +198,13 @@ def _span_id(response_id: str) -> str:
     return response_id
 
 
-def _span(rollout: Rollout, call: Call, c: Choice, seq: int) -> Span:
+def _span(rollout: Rollout, call: Call, c: Choice) -> Span:
+    """Choice `c`'s span; its seq is a placeholder the store replaces (append_spans)."""
     return Span.model_construct(
         id=call.span_id if c.index == 0 else f"{call.span_id}-{c.index}",
         rollout_id=rollout.id,
         attempt=rollout.attempt,
-        seq=seq,
+        seq=c.index,
         role=call.role,
         policy_version=c.gen.policy_version,
         prompt_ids=call.prompt.ids,
@@ -261,13 +235,14 @@ def _response(call: Call, c: Choice) -> dict[str, Any]:
     return response
 
 
-def _text_span(rollout: Rollout, call: Call, i: int, choice: dict[str, Any], seq: int) -> Span:
+def _text_span(rollout: Rollout, call: Call, i: int, choice: dict[str, Any]) -> Span:
+    """A remote role's choice `i` as a text-only span (seq: a placeholder, as in _span)."""
     finish = str(choice.get("finish_reason") or "stop")
     return Span(
         id=call.span_id if i == 0 else f"{call.span_id}-{i}",
         rollout_id=rollout.id,
         attempt=rollout.attempt,
-        seq=seq + i,
+        seq=i,
         role=call.role,
         policy_version=-1,
         prompt_ids=[],

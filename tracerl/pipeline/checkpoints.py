@@ -39,7 +39,7 @@ class PipelineState(BaseModel):
     model_config = ConfigDict(use_attribute_docstrings=True, extra="forbid")
 
     step: int = 0
-    """Steps done (= every policy's version)."""
+    """Steps done (the version each trainer was served under is in its own state)."""
     rollouts_trained: int = 0
     """Rollouts trained on so far."""
     source: SourceState = SourceState()

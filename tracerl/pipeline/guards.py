@@ -296,20 +296,20 @@ class BestModel:
 
 
 def load_checkpoint_weights(pipeline: Pipeline, step: int) -> None:
-    """Load step `step`'s checkpointed weights into every trainer and serve them (under the
-    current version number: versions count steps)."""
+    """Load step `step`'s checkpointed weights into every trainer and serve them under a new
+    version number (the current one is the replaced weights')."""
     several = len(pipeline.policies) > 1
     for p in pipeline.policies:
         p.trainer.load_weights(pipeline.checkpoints.model_dir(step, p.name if several else None))
-        p.engine.load_state_dict(p.trainer.engine_state_dict(), p.trainer.version)
+    pipeline.publish(checkpointed=False)
 
 
 def rollback(pipeline: Pipeline, best_step: int, lr_factor: float) -> float:
     """Load the checkpoint of `best_step` into every trainer and engine, clear the
     optimizers' moments and scale their learning rate by `lr_factor`; returns the new lr.
 
-    The weights are served under the current version number (versions count steps), and a
-    checkpoint of the restored state replaces the collapsed one as the latest."""
+    The weights are served under a new version number, and a checkpoint of the restored
+    state replaces the collapsed one as the latest (and is recorded as that version's)."""
     from tracerl.pipeline.step import local_trainer  # step imports this module
 
     load_checkpoint_weights(pipeline, best_step)

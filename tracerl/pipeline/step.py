@@ -11,6 +11,12 @@ Resuming is exact (tracerl.pipeline.checkpoints): weights, optimizer, schedule a
 states, the step, the source's and curation's state. Group ids are a function of the run
 and the task's position, so after a crash the interrupted step's rollouts are found in the
 store and used, not generated or trained twice.
+
+Policy versions are the store's (Store.issue_version): every publish (each step, a resume,
+a rollback, an earlier checkpoint loaded to be evaluated) serves the weights under a new
+number, above every number the store issued before. So the steps after a resumed
+checkpoint never reuse the numbers the lost weights' spans carry, and staleness
+(current - a span's version) is never negative.
 """
 
 from __future__ import annotations
@@ -87,9 +93,10 @@ class StepReport:
 class Pipeline:
     """The training loop over a rollout source; see the module docstring.
 
-    Every policy's version equals the number of steps done, so a span's staleness is
-    `step - span.policy_version` whichever policy sampled it; a policy whose roles made
-    no call in a batch is republished unchanged under the new version.
+    Every policy is served under one version number, each trainer's `version` (what its
+    checkpoint saves, and what the async source reads as current): a span's staleness is
+    `current - span.policy_version` whichever policy sampled it. A policy whose roles made
+    no call in a batch is republished unchanged under the new number.
     """
 
     def __init__(
@@ -110,6 +117,20 @@ class Pipeline:
         self.cfg, self.success_threshold = cfg, success_threshold
         self.step = 0
         self.rollouts_trained = 0
+        self.roles = [role for p in policies for role in p.roles]
+        start = max(p.engine.policy_version for p in policies)
+        # On record, so every number issued later is above it: the stack issued it (this
+        # is a no-op then); a stack built by hand may not have.
+        for role in self.roles:
+            self.store.publish_version(PolicyVersion(version=start, role=role))
+        self._adopt(start)
+
+    def _adopt(self, version: int) -> None:
+        """Every policy's weights are now served under `version` (a Leader's followers
+        never have theirs read: rank 0 checkpoints and publishes)."""
+        for p in self.policies:
+            t = p.trainer.trainer if isinstance(p.trainer, Leader) else p.trainer
+            t.version = version
 
     @property
     def trainers(self) -> Trainers:
@@ -124,48 +145,43 @@ class Pipeline:
         return several
 
     def resume(self) -> int:
-        """Restore the newest checkpoint and serve its weights; returns the step to run."""
+        """Restore the newest checkpoint (if any) and serve its weights under a new version
+        (the one it saved may be carried by spans of weights trained after it, then lost);
+        returns the step to run."""
         state = self.checkpoints.restore(self.trainers)
         self.step, self.rollouts_trained = state.step, state.rollouts_trained
         self.source.load_state(state.source)
         self.curation.load_state(state.curation)
-        if self.step:
-            self.publish(checkpointed=True)
+        self.publish(checkpointed=self.checkpoints.exists(self.step))
         return self.step
 
     def publish(self, checkpointed: bool) -> None:
-        """Serve every trainer's weights as its current version, then record it."""
-        self._serve()
-        self._record_versions(checkpointed)
-
-    def _serve(self) -> None:
+        """Serve every trainer's weights under a version number the store issues now; with
+        `checkpointed`, record this step's checkpoint as holding them."""
+        self._adopt(self.store.issue_version(self.roles))
         for p in self.policies:
             p.engine.load_state_dict(p.trainer.engine_state_dict(), p.trainer.version)
+        if checkpointed:
+            self._record_checkpoint()
 
-    def _record_versions(self, checkpointed: bool) -> None:
-        """Record each role's new version in the store, with the checkpoint dir holding its
-        weights when this step's checkpoint was written (recorded after it was)."""
+    def _record_checkpoint(self) -> None:
+        """Record this step's checkpoint dir as holding each role's current version (once
+        it is written: a version's path always exists)."""
         several = len(self.policies) > 1
         for p in self.policies:
-            path = self.checkpoints.model_dir(self.step, p.name if several else None)
-            where = str(path) if checkpointed else ""
+            path = str(self.checkpoints.model_dir(self.step, p.name if several else None))
             for role in p.roles:
-                pv = PolicyVersion(version=p.trainer.version, path=where, role=role)
-                self.store.publish_version(pv)
+                self.store.publish_version(
+                    PolicyVersion(version=p.trainer.version, path=path, role=role)
+                )
 
     def _train(self, rows: list[Transition]) -> dict[str, TrainMetrics | None]:
-        """Each policy trains on its roles' rows; one without rows keeps its weights."""
+        """Each policy trains on its roles' rows; one without rows keeps its weights (and
+        gets the next version with the others when they are published)."""
         out: dict[str, TrainMetrics | None] = {}
         for p in self.policies:
             mine = [r for r in rows if r.role in p.roles]
-            if mine:
-                out[p.name] = p.trainer.train(mine)
-            else:
-                out[p.name] = None
-                # Same weights, next version: versions stay in step. A Leader's followers
-                # never have their version read (rank 0 checkpoints and publishes).
-                t = p.trainer.trainer if isinstance(p.trainer, Leader) else p.trainer
-                t.version += 1
+            out[p.name] = p.trainer.train(mine) if mine else None
         return out
 
     def run_step(self) -> StepReport:
@@ -180,15 +196,14 @@ class Pipeline:
         ids = [f.id for g in groups for f in g.rollouts if f.rollout.group_id == g.id]
         self.rollouts_trained += len(ids)
         self.checkpoints.record(self.step, ids)
-        self._serve()  # the engines switch first: generation goes on while we checkpoint
-        checkpoint = self.step % self.cfg.checkpoint_every == 0 or self.step == self.cfg.steps
-        if checkpoint:
+        self.publish(checkpointed=False)  # engines switch first: generation goes on meanwhile
+        if self.step % self.cfg.checkpoint_every == 0 or self.step == self.cfg.steps:
             self.save_checkpoint()
-        self._record_versions(checkpoint)
         return self._report(groups, rows, per_policy, generated)
 
     def save_checkpoint(self) -> None:
-        """Checkpoint the trainers and the pipeline's state as of `self.step`."""
+        """Checkpoint the trainers and the pipeline's state as of `self.step`, and record
+        it as holding the versions being served (the trainers' weights)."""
         state = PipelineState(
             step=self.step,
             rollouts_trained=self.rollouts_trained,
@@ -196,6 +211,7 @@ class Pipeline:
             curation=self.curation.state(),
         )
         self.checkpoints.save(self.trainers, state)
+        self._record_checkpoint()
 
     def _report(
         self,

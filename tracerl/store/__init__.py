@@ -103,7 +103,13 @@ class Store(Protocol):
         ...
 
     def add_spans(self, spans: list[Span]) -> None:
-        """Record several model calls at once (all or none)."""
+        """Record several model calls at once (all or none), at the seqs they carry."""
+        ...
+
+    def append_spans(self, spans: list[Span]) -> list[int]:
+        """Record model calls of running attempts at seqs the store chooses: each span takes
+        the next seq of its attempt, in list order (the seq it carries is ignored); all or
+        none. Returns the seqs given. Gateways sharing an attempt never pick the same one."""
         ...
 
     def add_reward(self, reward: Reward) -> None:
@@ -144,8 +150,16 @@ class Store(Protocol):
         """Re-queue (or time out, when out of attempts) running rollouts whose lease expired."""
         ...
 
+    def issue_version(self, roles: list[str]) -> int:
+        """A new policy version number for weights about to be served in `roles`: one above
+        every version the store holds for any of them (0 for the first), recorded for each
+        role (no checkpoint path yet) in the same transaction, so no two calls, in any
+        process, get the same number. Every number an engine serves comes from here."""
+        ...
+
     def publish_version(self, pv: PolicyVersion) -> None:
-        """Record a new policy version."""
+        """Record a policy version, or the checkpoint path of one served before its
+        checkpoint was written (see lifecycle.sets_path)."""
         ...
 
     def latest_version(self, role: str = "policy") -> PolicyVersion | None:

@@ -27,8 +27,10 @@ from tracerl.store.wire import (
     CLAIMED,
     COUNTS,
     ERRORS,
+    ISSUED,
     REWARDS,
     ROLLOUTS,
+    SEQS,
     SPANS,
     TASKS,
     VERSION,
@@ -36,6 +38,7 @@ from tracerl.store.wire import (
     EnqueueRequest,
     FinishRequest,
     HeartbeatRequest,
+    IssueRequest,
     RequeueRequest,
 )
 from tracerl.types import PolicyVersion, Reward, Rollout, RolloutStatus, Span, Task
@@ -144,6 +147,9 @@ class StoreClient:
     def add_spans(self, spans: list[Span]) -> None:
         self._call("POST", "/spans", SPANS.dump_json(spans))
 
+    def append_spans(self, spans: list[Span]) -> list[int]:
+        return SEQS.validate_json(self._call("POST", "/spans/append", SPANS.dump_json(spans)))
+
     def add_reward(self, reward: Reward) -> None:
         self._call("POST", "/rewards", reward.model_dump_json().encode())
 
@@ -189,6 +195,9 @@ class StoreClient:
 
     def requeue_expired(self, now: float | None = None) -> list[Rollout]:
         return ROLLOUTS.validate_json(self._post("/requeue_expired", RequeueRequest(now=now)))
+
+    def issue_version(self, roles: list[str]) -> int:
+        return ISSUED.validate_json(self._post("/versions/issue", IssueRequest(roles=roles)))
 
     def publish_version(self, pv: PolicyVersion) -> None:
         self._post("/versions", pv)

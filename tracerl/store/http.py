@@ -15,6 +15,9 @@ holding the file's write lock would otherwise stall every request on the loop, /
 included. The Store itself serialises its threads (see sqlite.py).
 
 Every integer a request carries is bounded (wire.py): out of range is a 422, never a 500.
+So are rewards (finite, within types.REWARD_LIMIT) and leases (at most the service's
+`Limits.max_lease_s`: a runner that dies holding a longer lease would keep its rollout
+from being re-queued for that long).
 """
 
 from __future__ import annotations
@@ -44,12 +47,15 @@ from tracerl.store.wire import (
     ENQUEUE,
     FINISH,
     HEARTBEAT,
+    ISSUE,
+    ISSUED,
     LIMIT_MAX,
     PV,
     REQUEUE,
     REWARD,
     REWARDS,
     ROLLOUTS,
+    SEQS,
     SPANS,
     STATUS,
     TASKS,
@@ -86,6 +92,13 @@ def _one(model: BaseModel) -> Response:
     return Response(model.model_dump_json(), media_type="application/json")
 
 
+def _check_lease(lease_s: float, limits: Limits) -> None:
+    """A 422 naming the bound when a lease is longer than the service allows."""
+    if lease_s > limits.max_lease_s:
+        message = f"must be at most {limits.max_lease_s:g} seconds (limits.max_lease_s)"
+        raise RequestValidationError([{"loc": ("body", "lease_s"), "msg": message}])
+
+
 async def _parse(request: Request, adapter: TypeAdapter[T]) -> T:
     """Validate the raw body once, in pydantic-core; bad input (out-of-range integers
     included) becomes a 422."""
@@ -103,17 +116,20 @@ def store_router(
     executor: Executor | None = None,
     keys: Keys | None = None,
     on_finish: Callable[[Rollout], None] | None = None,
+    limits: Limits | None = None,
 ) -> APIRouter:
     """The store API; mount it with prefix '/store' (create_store_app does).
 
     Store calls run on `executor` (None: the event loop's default executor). `keys` mints
     each claimed attempt's agent key (a random secret when None); who may call what is
     the app's guard (tracerl.auth), not the router's. `on_finish` is told of each attempt
-    finished through the API, on the event loop (the gateway drops what it remembers)."""
+    finished through the API, on the event loop (the gateway drops what it remembers).
+    `limits.max_lease_s` bounds the leases a claim, heartbeat or session asks for."""
     # Every store route may answer 422 in the store's error shape (FastAPI's default entry
     # describes its own shape, which this API never sends).
     r = APIRouter(responses=errors_doc(422))
     keys = keys or Keys()
+    limits = limits or Limits()
 
     async def call(fn: Callable[..., T], *args: Any) -> T:
         loop = asyncio.get_running_loop()
@@ -165,6 +181,7 @@ def store_router(
     )
     async def claim(request: Request) -> Response:
         b = await _parse(request, CLAIM)
+        _check_lease(b.lease_s, limits)
         # A runner key claims under the runner id it is bound to, whatever the body says:
         # that id is what heartbeats and finishes are checked against.
         runner_id = _bound_runner(request) or b.runner_id
@@ -179,6 +196,7 @@ def store_router(
     )
     async def heartbeat(rollout_id: str, request: Request) -> Response:
         b = await _parse(request, HEARTBEAT)
+        _check_lease(b.lease_s, limits)
         return _one(await call(store.heartbeat, rollout_id, b.attempt, b.lease_s))
 
     @r.post(
@@ -189,6 +207,7 @@ def store_router(
     )
     async def open_session(request: Request) -> Response:
         b = await _parse(request, SESSION)
+        _check_lease(b.lease_s, limits)
         return _one(await call(store.open_session, b.key, b.lease_s))
 
     @r.post(
@@ -214,6 +233,15 @@ def store_router(
     async def add_spans(request: Request) -> Response:
         await call(store.add_spans, await _parse(request, SPANS))
         return Response(status_code=204)
+
+    @r.post(
+        "/spans/append",
+        response_model=list[int],
+        responses=errors_doc(404, 409, 422),
+        openapi_extra=body_doc(SPANS),
+    )
+    async def append_spans(request: Request) -> Response:
+        return _json(SEQS, await call(store.append_spans, await _parse(request, SPANS)))
 
     @r.get(
         "/rollouts/{rollout_id}/spans", response_model=list[Span], responses=errors_doc(404, 422)
@@ -255,6 +283,14 @@ def store_router(
     async def publish_version(request: Request) -> Response:
         await call(store.publish_version, await _parse(request, PV))
         return Response(status_code=204)
+
+    @r.post(
+        "/versions/issue", response_model=int, responses=errors_doc(422),
+        openapi_extra=body_doc(ISSUE),
+    )  # fmt: skip
+    async def issue_version(request: Request) -> Response:
+        b = await _parse(request, ISSUE)
+        return _json(ISSUED, await call(store.issue_version, b.roles))
 
     @r.get("/versions/latest", response_model=PolicyVersion | None, responses=errors_doc(422))
     async def latest_version(role: str = "policy") -> Response:
@@ -337,7 +373,8 @@ def create_store_app(
         dependencies=[Depends(guard(keys, store, executor))],
         responses=errors_doc(401, 403, 408, 413),
     )
-    app.include_router(store_router(store, executor, keys), prefix="/store")
+    limits = limits or Limits()
+    app.include_router(store_router(store, executor, keys, limits=limits), prefix="/store")
     install_error_handlers(app)
-    app.add_middleware(LimitsMiddleware, limits=limits or Limits())
+    app.add_middleware(LimitsMiddleware, limits=limits)
     return app

@@ -1,5 +1,6 @@
 """The lifecycle rules both SQL stores apply: which rollout moves are allowed, which attempt
-may still write, what each move changes, and when a republished policy version takes a path.
+may still write, what each move changes, which seq an appended span takes, which number a
+new policy version gets, and when a republished policy version takes a path.
 
 Pure functions of records already read; SqliteStore (sqlite.py) and PostgresStore
 (postgres.py) own the reading, locking and writing around them, so the two back ends
@@ -10,10 +11,18 @@ from __future__ import annotations
 
 import uuid
 
-from tracerl.store import Conflict, InvalidTransition, LeaseLost, NotFound
-from tracerl.types import FINISHED, VALID_TRANSITIONS, PolicyVersion, Rollout, RolloutStatus
+from tracerl.store import Conflict, InvalidTransition, LeaseLost, NotFound, StoreError
+from tracerl.types import (
+    FINISHED,
+    VALID_TRANSITIONS,
+    PolicyVersion,
+    Rollout,
+    RolloutStatus,
+    Span,
+)
 
 __all__ = [
+    "attempts",
     "check_current",
     "check_found",
     "check_move",
@@ -23,8 +32,16 @@ __all__ = [
     "finish_changes",
     "final_status",
     "new_rollouts",
+    "next_seqs",
+    "next_version",
     "sets_path",
 ]
+
+Attempt = tuple[str, int]
+"""(rollout id, attempt)."""
+
+VERSION_MAX = 2**31
+"""Versions are stored as 32-bit integers (PolicyVersion.version < 2**31)."""
 
 
 def new_rollouts(
@@ -112,3 +129,32 @@ def sets_path(pv: PolicyVersion, stored_path: str) -> bool:
     if pv.path and stored_path != pv.path:
         raise Conflict(f"{pv.role} version {pv.version} already published at {stored_path}")
     return False
+
+
+def attempts(spans: list[Span]) -> list[Attempt]:
+    """The attempts a batch of spans writes to, each once, sorted (so that two writers lock
+    the same rollouts in the same order)."""
+    return sorted({(s.rollout_id, s.attempt) for s in spans})
+
+
+def next_seqs(spans: list[Span], highest: dict[Attempt, int | None]) -> list[int]:
+    """The seq each appended span takes: after its attempt's highest recorded one
+    (`highest`; None when it has none), one after another in list order."""
+    last = {a: -1 if top is None else top for a, top in highest.items()}
+    out = []
+    for s in spans:
+        key = (s.rollout_id, s.attempt)
+        last[key] += 1
+        out.append(last[key])
+    return out
+
+
+def next_version(roles: list[str], highest: int | None) -> int:
+    """The number a new version of `roles` takes: one above `highest`, the highest any of
+    them holds (None: none yet, so 0); ValueError without a role."""
+    if not roles:
+        raise ValueError("a policy version needs at least one role")
+    version = 0 if highest is None else highest + 1
+    if version >= VERSION_MAX:
+        raise StoreError(f"policy versions of {roles} are used up (the last was {highest})")
+    return version

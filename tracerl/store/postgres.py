@@ -11,8 +11,11 @@ locks the rows its decision rests on before reading them: a claim takes queued r
 `FOR UPDATE SKIP LOCKED` (concurrent claimers pass each other, never sharing a rollout),
 a finish or heartbeat locks its rollout `FOR UPDATE`, and recording spans or rewards locks
 it `FOR SHARE`, so a lease cannot expire between the check that the attempt runs and the
-write. Every status change still goes through `_transition`, whose UPDATE carries
-`WHERE status = <the status read>`, refusing anything VALID_TRANSITIONS lacks.
+write. Appending spans (the store choosing their seqs) locks the rollout `FOR UPDATE`, so
+two appenders of one attempt take turns; issuing a version holds a transaction-scoped
+advisory lock, so two issuers never read the same highest version. Every status change
+still goes through `_transition`, whose UPDATE carries `WHERE status = <the status read>`,
+refusing anything VALID_TRANSITIONS lacks.
 
 Time. Leases are judged by the database's clock (callers' clocks may disagree): a store
 measures its offset from it once, when it opens, and corrects every time it stamps.
@@ -31,6 +34,7 @@ from psycopg_pool import ConnectionPool, PoolClosed
 
 from tracerl.store import Conflict, InvalidTransition, NotFound, Store, StoreError
 from tracerl.store.lifecycle import (
+    attempts,
     check_current,
     check_found,
     check_move,
@@ -40,6 +44,8 @@ from tracerl.store.lifecycle import (
     final_status,
     finish_changes,
     new_rollouts,
+    next_seqs,
+    next_version,
     sets_path,
 )
 from tracerl.store.postgres_schema import (
@@ -51,7 +57,10 @@ from tracerl.store.postgres_schema import (
     INSERT_SPAN,
     INSERT_TASK,
     INSERT_VERSION,
+    ISSUE_LOCK,
     LATEST_VERSION,
+    MAX_SEQ,
+    MAX_VERSION,
     SELECT_REWARDS,
     SELECT_ROLLOUT,
     SELECT_SPANS,
@@ -73,6 +82,7 @@ from tracerl.store.schema import (
     task_from_row,
     task_row,
     version_from_row,
+    with_seq,
 )
 from tracerl.store.sessions import open_postgres_session
 from tracerl.types import (
@@ -318,12 +328,22 @@ class PostgresStore:
         rows = [span_row(s) for s in spans]  # pack before taking a connection
         with self._tx() as cur:
             # Sorted: two batches touching the same rollouts lock them in one order.
-            for rollout_id, attempt in sorted({(s.rollout_id, s.attempt) for s in spans}):
+            for rollout_id, attempt in attempts(spans):
                 self._running(cur, rollout_id, attempt, "FOR SHARE")
-            try:
-                cur.executemany(INSERT_SPAN, rows)
-            except psycopg.errors.UniqueViolation as e:
-                raise Conflict(f"span id or (rollout, attempt, seq) already recorded: {e}") from e
+            _insert_spans(cur, rows)
+
+    def append_spans(self, spans: list[Span]) -> list[int]:
+        rows = [span_row(s) for s in spans]
+        with self._tx() as cur:
+            highest = {}
+            for rollout_id, attempt in attempts(spans):
+                # FOR UPDATE: another appender of this attempt waits until we commit.
+                self._running(cur, rollout_id, attempt, "FOR UPDATE")
+                row = cur.execute(MAX_SEQ, (rollout_id, attempt)).fetchone()
+                highest[(rollout_id, attempt)] = row[0] if row else None
+            seqs = next_seqs(spans, highest)
+            _insert_spans(cur, [with_seq(r, q) for r, q in zip(rows, seqs, strict=True)])
+        return seqs
 
     def add_reward(self, reward: Reward) -> None:
         with self._tx() as cur:
@@ -344,6 +364,16 @@ class PostgresStore:
 
     # -- policy versions ------------------------------------------------------------------
 
+    def issue_version(self, roles: list[str]) -> int:
+        wanted = sorted(set(roles))
+        with self._tx() as cur:
+            cur.execute(ISSUE_LOCK)  # held until commit: issuers take turns
+            row = cur.execute(MAX_VERSION, (wanted,)).fetchone()
+            version = next_version(roles, row[0] if row else None)
+            now = self._now()
+            cur.executemany(INSERT_VERSION, [(r, version, "", now) for r in wanted])
+        return version
+
     def publish_version(self, pv: PolicyVersion) -> None:
         with self._tx() as cur:
             cur.execute(INSERT_VERSION, (pv.role, pv.version, pv.path, pv.created_at))
@@ -363,6 +393,13 @@ class PostgresStore:
         if not self._closed:
             self._closed = True
             self._pool.close()
+
+
+def _insert_spans(cur: Cursor, rows: list[tuple[object, ...]]) -> None:
+    try:
+        cur.executemany(INSERT_SPAN, rows)
+    except psycopg.errors.UniqueViolation as e:
+        raise Conflict(f"span id or (rollout, attempt, seq) already recorded: {e}") from e
 
 
 if TYPE_CHECKING:  # mypy checks every signature against the Store protocol

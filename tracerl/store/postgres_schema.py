@@ -29,7 +29,10 @@ __all__ = [
     "INSERT_SPAN",
     "INSERT_TASK",
     "INSERT_VERSION",
+    "ISSUE_LOCK",
     "LATEST_VERSION",
+    "MAX_SEQ",
+    "MAX_VERSION",
     "MIGRATIONS",
     "SELECT_REWARDS",
     "SELECT_ROLLOUT",
@@ -115,6 +118,10 @@ LATEST_VERSION = (
     "SELECT role, version, path, created_at FROM versions WHERE role = %s "
     "ORDER BY version DESC LIMIT 1"
 )
+MAX_VERSION = "SELECT max(version) FROM versions WHERE role = ANY(%s)"
+MAX_SEQ = "SELECT max(seq) FROM spans WHERE rollout_id = %s AND attempt = %s"
+_ISSUE_KEY = 0x74726163657276  # "tracerv": issuers of policy versions, not migrations
+ISSUE_LOCK = f"SELECT pg_advisory_xact_lock({_ISSUE_KEY})"
 DB_NOW = "SELECT extract(epoch FROM clock_timestamp())::float8"
 # SKIP LOCKED: concurrent claimers pass over rows another transaction holds instead of
 # queueing behind it, so each takes the next free rollouts and none gets one twice.

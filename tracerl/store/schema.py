@@ -39,6 +39,7 @@ __all__ = [
     "task_from_row",
     "task_row",
     "version_from_row",
+    "with_seq",
 ]
 
 SCHEMA = """
@@ -143,6 +144,14 @@ def span_row(s: Span) -> tuple[object, ...]:
         orjson.dumps(s.messages).decode(), orjson.dumps(s.response).decode(),
         s.finish_reason, s.temperature, s.prefix_reused, s.prefix_break, s.parent_span_id, s.latency_s, s.created_at,
     )  # fmt: skip
+
+
+_SEQ = SPAN_COLS.index("seq")
+
+
+def with_seq(row: tuple[object, ...], seq: int) -> tuple[object, ...]:
+    """A span_row with its seq replaced (an appended span takes the one the store chose)."""
+    return (*row[:_SEQ], seq, *row[_SEQ + 1 :])
 
 
 def span_from_row(row: Sequence[object]) -> Span:

@@ -30,6 +30,7 @@ import orjson
 
 from tracerl.store import Conflict, InvalidTransition, NotFound, Store, StoreError
 from tracerl.store.lifecycle import (
+    attempts,
     check_current,
     check_found,
     check_move,
@@ -39,6 +40,8 @@ from tracerl.store.lifecycle import (
     final_status,
     finish_changes,
     new_rollouts,
+    next_seqs,
+    next_version,
     sets_path,
 )
 from tracerl.store.schema import (
@@ -62,6 +65,7 @@ from tracerl.store.schema import (
     task_from_row,
     task_row,
     version_from_row,
+    with_seq,
 )
 from tracerl.store.sessions import open_sqlite_session
 from tracerl.types import (
@@ -282,12 +286,29 @@ class SqliteStore:
     def add_spans(self, spans: list[Span]) -> None:
         rows = [span_row(s) for s in spans]  # pack outside the lock
         with self._tx() as db:
-            for rollout_id, attempt in {(s.rollout_id, s.attempt) for s in spans}:
+            for rollout_id, attempt in attempts(spans):
                 self._running(db, rollout_id, attempt)
-            try:
-                db.executemany(INSERT_SPAN, rows)
-            except sqlite3.IntegrityError as e:
-                raise Conflict(f"span id or (rollout, attempt, seq) already recorded: {e}") from e
+            self._insert_spans(db, rows)
+
+    def append_spans(self, spans: list[Span]) -> list[int]:
+        rows = [span_row(s) for s in spans]
+        with self._tx() as db:  # IMMEDIATE: nobody appends between our MAX and our insert
+            highest = {}
+            for rollout_id, attempt in attempts(spans):
+                self._running(db, rollout_id, attempt)
+                highest[(rollout_id, attempt)] = db.execute(
+                    "SELECT MAX(seq) FROM spans WHERE rollout_id = ? AND attempt = ?",
+                    (rollout_id, attempt),
+                ).fetchone()[0]
+            seqs = next_seqs(spans, highest)
+            self._insert_spans(db, [with_seq(r, q) for r, q in zip(rows, seqs, strict=True)])
+        return seqs
+
+    def _insert_spans(self, db: sqlite3.Connection, rows: list[tuple[object, ...]]) -> None:
+        try:
+            db.executemany(INSERT_SPAN, rows)
+        except sqlite3.IntegrityError as e:
+            raise Conflict(f"span id or (rollout, attempt, seq) already recorded: {e}") from e
 
     def add_reward(self, reward: Reward) -> None:
         with self._tx() as db:
@@ -315,6 +336,20 @@ class SqliteStore:
         return [reward_from_row(r) for r in rows]
 
     # -- policy versions ------------------------------------------------------------------
+
+    def issue_version(self, roles: list[str]) -> int:
+        wanted = sorted(set(roles))
+        with self._tx() as db:  # IMMEDIATE: two issuers take turns, in any process
+            (highest,) = db.execute(
+                "SELECT MAX(version) FROM versions WHERE role IN (SELECT value FROM json_each(?))",
+                (orjson.dumps(wanted).decode(),),
+            ).fetchone()
+            version = next_version(roles, highest)
+            now = time.time()
+            db.executemany(
+                "INSERT INTO versions VALUES (?, ?, '', ?)", [(r, version, now) for r in wanted]
+            )
+        return version
 
     def publish_version(self, pv: PolicyVersion) -> None:
         with self._tx() as db:

@@ -3,7 +3,8 @@
 Shared by the server (http.py) and the client (client.py), so the two cannot drift. Every
 integer a request carries is bounded here, before it reaches SQLite (whose INTEGER is 64
 bits) or the int32 token packing: an out-of-range value is a 422 naming the field, never a
-500 from deep inside the store.
+500 from deep inside the store. So is every reward (finite, within types.REWARD_LIMIT);
+leases are bounded by the service's config (Limits.max_lease_s, checked in http.py).
 """
 
 from __future__ import annotations
@@ -13,7 +14,15 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter
 
 from tracerl.store import Conflict, InvalidTransition, LeaseLost, NotFound, StoreError
-from tracerl.types import PolicyVersion, Reward, Rollout, RolloutStatus, Span, Task
+from tracerl.types import (
+    PolicyVersion,
+    Reward,
+    RewardValue,
+    Rollout,
+    RolloutStatus,
+    Span,
+    Task,
+)
 
 __all__ = [
     "ATTEMPT_MAX",
@@ -23,7 +32,9 @@ __all__ = [
     "EnqueueRequest",
     "FinishRequest",
     "HeartbeatRequest",
+    "IssueRequest",
     "RequeueRequest",
+    "RewardRequest",
     "body_doc",
     "errors_doc",
     "out_of_range",
@@ -81,8 +92,8 @@ class FinishRequest(_Body):
     """Final status: succeeded, failed or timed_out."""
     answer: str | None = None
     """The agent's final answer."""
-    reward: float | None = None
-    """Final reward, also stored as a Reward record."""
+    reward: RewardValue | None = None
+    """Final reward, also stored as a Reward record (finite, within REWARD_LIMIT)."""
     error: str | None = None
     """Why it failed."""
 
@@ -92,6 +103,20 @@ class RequeueRequest(_Body):
 
     now: float | None = Field(None, allow_inf_nan=False)
     """Clock to compare leases against; None for the server's time."""
+
+
+class RewardRequest(Reward):
+    """Body of POST /store/rewards: a Reward whose value is finite and within REWARD_LIMIT."""
+
+    value: RewardValue
+    """The reward."""
+
+
+class IssueRequest(_Body):
+    """Body of POST /store/versions/issue."""
+
+    roles: list[str] = Field(min_length=1)
+    """The roles the new version's weights will be served in."""
 
 
 class Claimed(Rollout):
@@ -114,8 +139,11 @@ CLAIM = TypeAdapter(ClaimRequest)
 HEARTBEAT = TypeAdapter(HeartbeatRequest)
 FINISH = TypeAdapter(FinishRequest)
 REQUEUE = TypeAdapter(RequeueRequest)
-REWARD = TypeAdapter(Reward)
+REWARD = TypeAdapter(RewardRequest)
 PV = TypeAdapter(PolicyVersion)
+ISSUE = TypeAdapter(IssueRequest)
+SEQS = TypeAdapter(list[int])
+ISSUED = TypeAdapter(int)
 
 # -- the OpenAPI document ---------------------------------------------------------------
 
