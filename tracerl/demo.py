@@ -127,11 +127,12 @@ def calculator_demos(
 
 
 @contextmanager
-def _build_lock(models: Path) -> Iterator[None]:
-    """One builder at a time per cache (two test sessions, or a demo beside a test run):
-    the second waits, then finds the model built."""
+def _build_lock(models: Path, recipe: CalculatorRecipe) -> Iterator[None]:
+    """One builder at a time per seed and shape of a cache (two test sessions, or a demo
+    beside a test run, share the base and skill stages): the second waits, then finds the
+    model built."""
     models.mkdir(parents=True, exist_ok=True)
-    with open(models / ".build.lock", "w") as lock:
+    with open(models / f".build{recipe._shape()}-seed{recipe.seed}.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         try:
             yield
@@ -146,7 +147,7 @@ def ensure_calculator_model(recipe: CalculatorRecipe | None = None, rebuild: boo
     out = models / recipe.name()
     if (out / "config.json").exists() and not rebuild:
         return out
-    with _build_lock(models):
+    with _build_lock(models, recipe):
         if (out / "config.json").exists() and not rebuild:
             return out
         return _build_calculator_model(recipe, models, out, rebuild)
