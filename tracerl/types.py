@@ -19,6 +19,7 @@ __all__ = [
     "FINISHED",
     "HAS_OUTCOME",
     "REWARD_LIMIT",
+    "SEED_LIMIT",
     "VALID_TRANSITIONS",
     "FinishedRollout",
     "Generation",
@@ -34,6 +35,10 @@ __all__ = [
     "Transition",
     "bounded_reward",
 ]
+
+
+SEED_LIMIT = 2**62
+"""Rollout seeds lie below this, so seed + k (the k-th call's) stays within 64 bits."""
 
 
 class _Record(BaseModel):
@@ -136,6 +141,14 @@ class Rollout(_Record):
     """The final reward of the last attempt (also stored as a Reward record)."""
     error: str | None = None
     """Why it failed or timed out: an exception's text, 'lease expired', ..."""
+    assets: dict[str, Annotated[int, Field(ge=0, lt=2**31)]] | None = None
+    """The asset versions its model calls see, name -> version (0: that asset withheld),
+    over the gateway's own config for the names given (a paired comparison's arms, a
+    curriculum's draws); None: the gateway's config alone decides. Fixed at enqueue."""
+    seed: int | None = Field(default=None, ge=0, lt=SEED_LIMIT)
+    """Sampling seed of its calls that bring none: the k-th call of an attempt samples with
+    seed + k, so two rollouts given one seed draw the same random numbers (the two arms of
+    a paired comparison); None: the engine's own generator. Fixed at enqueue."""
 
 
 class Span(_Record):
@@ -186,6 +199,9 @@ class Span(_Record):
     """Wall time from request to response inside the gateway."""
     created_at: float = Field(default_factory=time.time)
     """When the call finished."""
+    assets: dict[str, int] = Field(default_factory=dict)
+    """The assets in its prompt, name -> version (tracerl.assets): what the gateway added to
+    the system message before templating; {} when none was."""
 
 
 class Reward(_Record):

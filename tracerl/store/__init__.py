@@ -1,4 +1,5 @@
-"""The store: tasks, rollout attempts and their lifecycle, spans, rewards, policy versions.
+"""The store: tasks, rollout attempts and their lifecycle, spans, rewards, policy versions,
+and assets (versioned prompts and skills, their comparisons and optimizations).
 
 `Store` is the interface every part codes against. `SqliteStore` (embedded, one file, or
 ":memory:" for tests; sqlite.py, its layout in schema.py) implements it in-process;
@@ -14,6 +15,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Protocol, runtime_checkable
 
+from tracerl.assets.records import Asset, Comparison, Optimization
 from tracerl.types import PolicyVersion, Reward, Rollout, RolloutStatus, Span, Task
 
 __all__ = [
@@ -76,9 +78,15 @@ class Store(Protocol):
         ...
 
     def enqueue(
-        self, task_ids: list[str], group_id: str | None = None, max_attempts: int = 3
+        self,
+        task_ids: list[str],
+        group_id: str | None = None,
+        max_attempts: int = 3,
+        assets: dict[str, int] | None = None,
+        seeds: list[int] | None = None,
     ) -> list[Rollout]:
-        """One queued rollout per task id (repeat an id for several rollouts of a task)."""
+        """One queued rollout per task id (repeat an id for several rollouts of a task), each
+        given `assets` (Rollout.assets) and its entry of `seeds` (one per task id, or None)."""
         ...
 
     def claim(self, runner_id: str, n: int = 1, lease_s: float = 30.0) -> list[Rollout]:
@@ -168,6 +176,40 @@ class Store(Protocol):
 
     def counts(self) -> dict[str, int]:
         """Number of rollouts in each status (every status present, zeros included)."""
+        ...
+
+    def put_asset(self, name: str, text: str, note: str = "", candidate: bool = False) -> Asset:
+        """Store `text` as the next version of asset `name` (1 for a new name), numbered by
+        the store; a plain version becomes the current one, a candidate never does."""
+        ...
+
+    def asset(self, name: str, version: int | None = None) -> Asset:
+        """One version of an asset, or (None) its current one: NotFound otherwise."""
+        ...
+
+    def assets(self) -> list[Asset]:
+        """The current version of every asset that has one, by name."""
+        ...
+
+    def asset_versions(self, name: str) -> list[Asset]:
+        """Every version of an asset, candidates included, oldest first (NotFound: none)."""
+        ...
+
+    def add_comparison(self, comparison: Comparison) -> None:
+        """Record a paired comparison of two asset versions (the same id again: a no-op if
+        identical, else Conflict)."""
+        ...
+
+    def comparisons(self, name: str | None = None) -> list[Comparison]:
+        """Recorded comparisons (of one asset), oldest first."""
+        ...
+
+    def put_optimization(self, optimization: Optimization) -> None:
+        """Record an optimization, replacing what its id held (it is rewritten each round)."""
+        ...
+
+    def optimizations(self, name: str | None = None) -> list[Optimization]:
+        """Recorded optimizations (of one asset), oldest first."""
         ...
 
     def close(self) -> None:

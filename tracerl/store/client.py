@@ -16,24 +16,31 @@ import threading
 from collections import OrderedDict
 from collections.abc import Mapping
 from typing import TYPE_CHECKING
+from urllib.parse import quote
 
 import httpx
 import orjson
 from pydantic import BaseModel
 
+from tracerl.assets.records import Asset, Comparison, Optimization
 from tracerl.store import StoreError, StoreUnavailable
 from tracerl.store.sessions import SessionRequest
 from tracerl.store.wire import (
+    ASSET,
+    ASSETS,
     CLAIMED,
+    COMPARISONS,
     COUNTS,
     ERRORS,
     ISSUED,
+    OPTIMIZATIONS,
     REWARDS,
     ROLLOUTS,
     SEQS,
     SPANS,
     TASKS,
     VERSION,
+    AssetRequest,
     ClaimRequest,
     EnqueueRequest,
     FinishRequest,
@@ -107,9 +114,17 @@ class StoreClient:
         return TASKS.validate_json(self._call("GET", "/tasks", params=params))
 
     def enqueue(
-        self, task_ids: list[str], group_id: str | None = None, max_attempts: int = 3
+        self,
+        task_ids: list[str],
+        group_id: str | None = None,
+        max_attempts: int = 3,
+        assets: dict[str, int] | None = None,
+        seeds: list[int] | None = None,
     ) -> list[Rollout]:
-        body = EnqueueRequest(task_ids=task_ids, group_id=group_id, max_attempts=max_attempts)
+        body = EnqueueRequest(
+            task_ids=task_ids, group_id=group_id, max_attempts=max_attempts, assets=assets,
+            seeds=seeds,
+        )  # fmt: skip
         return ROLLOUTS.validate_json(self._post("/rollouts", body))
 
     def claim(self, runner_id: str, n: int = 1, lease_s: float = 30.0) -> list[Rollout]:
@@ -207,6 +222,34 @@ class StoreClient:
 
     def counts(self) -> dict[str, int]:
         return COUNTS.validate_json(self._call("GET", "/counts"))
+
+    def put_asset(self, name: str, text: str, note: str = "", candidate: bool = False) -> Asset:
+        body = AssetRequest(name=name, text=text, note=note, candidate=candidate)
+        return ASSET.validate_json(self._post("/assets", body))
+
+    def asset(self, name: str, version: int | None = None) -> Asset:
+        params = None if version is None else {"version": version}
+        return ASSET.validate_json(self._call("GET", f"/assets/{quote(name)}", params=params))
+
+    def assets(self) -> list[Asset]:
+        return ASSETS.validate_json(self._call("GET", "/assets"))
+
+    def asset_versions(self, name: str) -> list[Asset]:
+        return ASSETS.validate_json(self._call("GET", f"/assets/{quote(name)}/versions"))
+
+    def add_comparison(self, comparison: Comparison) -> None:
+        self._post("/comparisons", comparison)
+
+    def comparisons(self, name: str | None = None) -> list[Comparison]:
+        params = None if name is None else {"name": name}
+        return COMPARISONS.validate_json(self._call("GET", "/comparisons", params=params))
+
+    def put_optimization(self, optimization: Optimization) -> None:
+        self._post("/optimizations", optimization)
+
+    def optimizations(self, name: str | None = None) -> list[Optimization]:
+        params = None if name is None else {"name": name}
+        return OPTIMIZATIONS.validate_json(self._call("GET", "/optimizations", params=params))
 
     def close(self) -> None:
         self._http.close()

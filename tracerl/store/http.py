@@ -34,15 +34,20 @@ from fastapi.responses import JSONResponse
 from pydantic import BaseModel, TypeAdapter, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from tracerl.assets.records import Asset, Comparison, Optimization
 from tracerl.auth import AccessDenied, Keys, guard
 from tracerl.limits import Limits, LimitsMiddleware
 from tracerl.store import Store, StoreError
 from tracerl.store.client import StoreClient
 from tracerl.store.sessions import SessionRequest
 from tracerl.store.wire import (
+    ASSET,
+    ASSETS,
     ATTEMPT_MAX,
     CLAIM,
     CLAIMED,
+    COMPARISON,
+    COMPARISONS,
     COUNTS,
     ENQUEUE,
     FINISH,
@@ -50,6 +55,9 @@ from tracerl.store.wire import (
     ISSUE,
     ISSUED,
     LIMIT_MAX,
+    OPTIMIZATION,
+    OPTIMIZATIONS,
+    PUT_ASSET,
     PV,
     REQUEUE,
     REWARD,
@@ -82,6 +90,8 @@ Attempt = Annotated[int | None, Query(ge=0, lt=ATTEMPT_MAX)]
 """An attempt number in a query string; absent means the rollout's current attempt."""
 Limit = Annotated[int | None, Query(ge=1, le=LIMIT_MAX)]
 """Most rows a listing returns; absent means all."""
+Version = Annotated[int | None, Query(ge=1, lt=ATTEMPT_MAX)]
+"""An asset version in a query string; absent means the current one."""
 
 
 def _json(adapter: TypeAdapter[T], value: T) -> Response:
@@ -158,7 +168,8 @@ def store_router(
     )
     async def enqueue(request: Request) -> Response:
         b = await _parse(request, ENQUEUE)
-        return _json(ROLLOUTS, await call(store.enqueue, b.task_ids, b.group_id, b.max_attempts))
+        args = (b.task_ids, b.group_id, b.max_attempts, b.assets, b.seeds)
+        return _json(ROLLOUTS, await call(store.enqueue, *args))
 
     @r.get("/rollouts", response_model=list[Rollout], responses=errors_doc(422))
     async def rollouts(
@@ -300,7 +311,60 @@ def store_router(
     async def counts() -> Response:
         return _json(COUNTS, await call(store.counts))
 
+    _asset_routes(r, store, call)
     return r
+
+
+Call = Callable[..., Any]
+"""The router's `call`: a store method run off the event loop."""
+
+
+def _asset_routes(r: APIRouter, store: Store, call: Call) -> None:
+    """Assets (versioned texts), their comparisons and optimizations."""
+
+    @r.post(
+        "/assets", response_model=Asset, responses=errors_doc(422),
+        openapi_extra=body_doc(PUT_ASSET),
+    )  # fmt: skip
+    async def put_asset(request: Request) -> Response:
+        b = await _parse(request, PUT_ASSET)
+        return _one(await call(store.put_asset, b.name, b.text, b.note, b.candidate))
+
+    @r.get("/assets", response_model=list[Asset])
+    async def assets() -> Response:
+        return _json(ASSETS, await call(store.assets))
+
+    @r.get("/assets/{name}", response_model=Asset, responses=errors_doc(404, 422))
+    async def asset(name: str, version: Version = None) -> Response:
+        return _json(ASSET, await call(store.asset, name, version))
+
+    @r.get("/assets/{name}/versions", response_model=list[Asset], responses=errors_doc(404))
+    async def asset_versions(name: str) -> Response:
+        return _json(ASSETS, await call(store.asset_versions, name))
+
+    @r.post(
+        "/comparisons", status_code=204, responses=errors_doc(409, 422),
+        openapi_extra=body_doc(COMPARISON),
+    )  # fmt: skip
+    async def add_comparison(request: Request) -> Response:
+        await call(store.add_comparison, await _parse(request, COMPARISON))
+        return Response(status_code=204)
+
+    @r.get("/comparisons", response_model=list[Comparison], responses=errors_doc(422))
+    async def comparisons(name: str | None = None) -> Response:
+        return _json(COMPARISONS, await call(store.comparisons, name))
+
+    @r.post(
+        "/optimizations", status_code=204, responses=errors_doc(409, 422),
+        openapi_extra=body_doc(OPTIMIZATION),
+    )  # fmt: skip
+    async def put_optimization(request: Request) -> Response:
+        await call(store.put_optimization, await _parse(request, OPTIMIZATION))
+        return Response(status_code=204)
+
+    @r.get("/optimizations", response_model=list[Optimization], responses=errors_doc(422))
+    async def optimizations(name: str | None = None) -> Response:
+        return _json(OPTIMIZATIONS, await call(store.optimizations, name))
 
 
 def _bound_runner(request: Request) -> str | None:

@@ -45,13 +45,25 @@ VERSION_MAX = 2**31
 
 
 def new_rollouts(
-    task_ids: list[str], group_id: str | None, max_attempts: int, now: float
+    task_ids: list[str],
+    group_id: str | None,
+    max_attempts: int,
+    now: float,
+    assets: dict[str, int] | None = None,
+    seeds: list[int] | None = None,
 ) -> list[Rollout]:
-    """One queued rollout per task id (repeats allowed), each with a fresh id."""
+    """One queued rollout per task id (repeats allowed), each with a fresh id, the given
+    assets, and the seed at its position in `seeds` (ValueError unless it matches
+    task_ids in length)."""
+    if max_attempts < 1:
+        raise ValueError("max_attempts must be at least 1")
+    if seeds is not None and len(seeds) != len(task_ids):
+        raise ValueError(f"{len(seeds)} seeds for {len(task_ids)} rollouts: give one each")
     return [
         Rollout(id=uuid.uuid4().hex[:16], task_id=t, group_id=group_id,
-                max_attempts=max_attempts, created_at=now)
-        for t in task_ids
+                max_attempts=max_attempts, created_at=now, assets=assets,
+                seed=None if seeds is None else seeds[i])
+        for i, t in enumerate(task_ids)
     ]  # fmt: skip
 
 

@@ -5,6 +5,8 @@ token ids still packed, every attempt's spans and rewards, statuses and times un
 the copy reads back exactly as the file did. Rollouts go in batches, each batch with its
 spans and rewards in one transaction, in the file's order (so both list them alike).
 
+Assets, comparisons and optimizations are copied as they are (versions keep their numbers).
+
 Idempotent: a rollout already at the destination is skipped with its spans and rewards
 (they arrived in the same transaction), as are tasks and versions already there; re-running
 after an interruption copies what is missing and nothing twice. A task or version present
@@ -22,6 +24,7 @@ import psycopg
 from pydantic import BaseModel, ConfigDict
 
 from tracerl.store import Conflict
+from tracerl.store.assets import ASSET_COLS, asset_from_row
 from tracerl.store.postgres_schema import (
     INSERT_REWARD,
     INSERT_ROLLOUT,
@@ -54,6 +57,12 @@ class CopyReport(BaseModel):
     """Rewards added, of every attempt."""
     versions: int = 0
     """Policy versions added."""
+    assets: int = 0
+    """Asset versions added."""
+    comparisons: int = 0
+    """Comparisons added."""
+    optimizations: int = 0
+    """Optimizations added."""
 
 
 def copy_sqlite_to_postgres(source: str | Path, url: str, batch: int = 500) -> CopyReport:
@@ -67,6 +76,8 @@ def copy_sqlite_to_postgres(source: str | Path, url: str, batch: int = 500) -> C
         with psycopg.connect(url, autocommit=True) as dst:
             migrate(dst)
             tasks, versions = _copy_tasks(src, dst), _copy_versions(src, dst)
+            assets = _copy_assets(src, dst)
+            records = {t: _copy_records(src, dst, t) for t in ("comparisons", "optimizations")}
             rollouts = spans = rewards = 0
             for ids in _batches(src, batch):
                 added = _copy_rollouts(src, dst, ids)
@@ -76,8 +87,9 @@ def copy_sqlite_to_postgres(source: str | Path, url: str, batch: int = 500) -> C
     finally:
         src.close()
     return CopyReport(
-        tasks=tasks, rollouts=rollouts, spans=spans, rewards=rewards, versions=versions
-    )
+        tasks=tasks, rollouts=rollouts, spans=spans, rewards=rewards, versions=versions,
+        assets=assets, **records,
+    )  # fmt: skip
 
 
 def _select(table: str, cols: Sequence[str], where: str = "") -> str:
@@ -114,6 +126,37 @@ def _copy_versions(src: sqlite3.Connection, dst: psycopg.Connection[Any]) -> int
         if changed := [r for r in rows if stored[(r[0], r[1])] != r[2]]:
             raise Conflict(f"{changed[0][0]} version {changed[0][1]} differs at the destination")
         return _count(cur, "versions") - before
+
+
+def _copy_assets(src: sqlite3.Connection, dst: psycopg.Connection[Any]) -> int:
+    """Asset versions, through their records (SQLite keeps `candidate` as 0/1)."""
+    found = [asset_from_row(r) for r in src.execute(_select("assets", ASSET_COLS))]
+    rows = [tuple(getattr(a, c) for c in ASSET_COLS) for a in found]
+    marks = ", ".join(["%s"] * len(ASSET_COLS))
+    with dst.transaction(), dst.cursor() as cur:
+        before = _count(cur, "assets")
+        cur.executemany(f"INSERT INTO assets VALUES ({marks}) ON CONFLICT DO NOTHING", rows)
+        stored = {
+            (r[0], r[1]): tuple(r)
+            for r in cur.execute(f"SELECT {', '.join(ASSET_COLS)} FROM assets")
+        }
+        if changed := [r for r in rows if stored[(r[0], r[1])] != r]:
+            raise Conflict(
+                f"asset {changed[0][0]} version {changed[0][1]} differs at the destination"
+            )
+        return _count(cur, "assets") - before
+
+
+def _copy_records(src: sqlite3.Connection, dst: psycopg.Connection[Any], table: str) -> int:
+    """Comparisons or optimizations (JSON under an id), each at most once."""
+    rows = src.execute(_select(table, ("id", "name", "created_at", "body"))).fetchall()
+    with dst.transaction(), dst.cursor() as cur:
+        before = _count(cur, table)
+        cur.executemany(f"INSERT INTO {table} VALUES (%s, %s, %s, %s) ON CONFLICT DO NOTHING", rows)
+        stored = dict(cur.execute(f"SELECT id, body FROM {table}").fetchall())
+        if changed := [r[0] for r in rows if stored[r[0]] != r[3]]:
+            raise Conflict(f"{table[:-1]} {changed[0]!r} differs at the destination")
+        return _count(cur, table) - before
 
 
 def _copy_rollouts(

@@ -33,6 +33,7 @@ import psycopg
 from psycopg_pool import ConnectionPool, PoolClosed
 
 from tracerl.store import Conflict, InvalidTransition, NotFound, Store, StoreError
+from tracerl.store.assets import AssetSql, SqlAssets
 from tracerl.store.lifecycle import (
     attempts,
     check_current,
@@ -49,6 +50,7 @@ from tracerl.store.lifecycle import (
     sets_path,
 )
 from tracerl.store.postgres_schema import (
+    ASSET_LOCK,
     CLAIMABLE,
     DB_NOW,
     EXPIRED,
@@ -73,9 +75,9 @@ from tracerl.store.postgres_schema import (
 from tracerl.store.schema import (
     MUTABLE,
     REWARD_COLS,
-    ROLLOUT_COLS,
     reward_from_row,
     rollout_from_row,
+    rollout_row,
     rollouts_query,
     span_from_row,
     span_row,
@@ -106,8 +108,10 @@ def _values(record: Rollout | Reward, cols: Sequence[str]) -> list[object]:
     return [v.value if isinstance(v, Enum) else v for v in (getattr(record, c) for c in cols)]
 
 
-class PostgresStore:
+class PostgresStore(SqlAssets):
     """The Store protocol on PostgreSQL; share it between threads and processes freely."""
+
+    _assets_sql = AssetSql("%s", ASSET_LOCK)  # puts of versions take turns
 
     def __init__(self, url: str, pool_size: int = 8, connect_timeout_s: float = 30.0) -> None:
         self.url = url
@@ -222,18 +226,21 @@ class PostgresStore:
     # -- rollout lifecycle ----------------------------------------------------------------
 
     def enqueue(
-        self, task_ids: list[str], group_id: str | None = None, max_attempts: int = 3
+        self,
+        task_ids: list[str],
+        group_id: str | None = None,
+        max_attempts: int = 3,
+        assets: dict[str, int] | None = None,
+        seeds: list[int] | None = None,
     ) -> list[Rollout]:
-        if max_attempts < 1:
-            raise ValueError("max_attempts must be at least 1")
+        new = new_rollouts(task_ids, group_id, max_attempts, self._now(), assets, seeds)
         with self._tx() as cur:
             wanted = sorted(set(task_ids))
             found = {
                 r[0] for r in cur.execute("SELECT id FROM tasks WHERE id = ANY(%s)", (wanted,))
             }
             check_found(wanted, found)
-            new = new_rollouts(task_ids, group_id, max_attempts, self._now())
-            cur.executemany(INSERT_ROLLOUT, [_values(r, ROLLOUT_COLS) for r in new])
+            cur.executemany(INSERT_ROLLOUT, [rollout_row(r) for r in new])
         return new
 
     def claim(self, runner_id: str, n: int = 1, lease_s: float = 30.0) -> list[Rollout]:

@@ -21,6 +21,7 @@ from tracerl.store.schema import MUTABLE, REWARD_COLS, ROLLOUT_COLS, SPAN_COLS, 
 from tracerl.types import RolloutStatus
 
 __all__ = [
+    "ASSET_LOCK",
     "CLAIMABLE",
     "DB_NOW",
     "EXPIRED",
@@ -85,6 +86,24 @@ CREATE TABLE versions (
     role TEXT NOT NULL, version INTEGER NOT NULL, path TEXT NOT NULL,
     created_at DOUBLE PRECISION NOT NULL, PRIMARY KEY (role, version));
 """,
+    # 2: assets (versioned texts), their comparisons and optimizations; the asset versions
+    # each rollout was given and each span saw, and a rollout's sampling seed.
+    """
+CREATE TABLE assets (
+    name TEXT NOT NULL, version INTEGER NOT NULL, text TEXT NOT NULL, note TEXT NOT NULL,
+    candidate BOOLEAN NOT NULL, created_at DOUBLE PRECISION NOT NULL,
+    PRIMARY KEY (name, version));
+CREATE TABLE comparisons (
+    id TEXT PRIMARY KEY, name TEXT NOT NULL, created_at DOUBLE PRECISION NOT NULL,
+    body TEXT NOT NULL);
+CREATE INDEX comparisons_name ON comparisons (name, created_at);
+CREATE TABLE optimizations (
+    id TEXT PRIMARY KEY, name TEXT NOT NULL, created_at DOUBLE PRECISION NOT NULL,
+    body TEXT NOT NULL);
+CREATE INDEX optimizations_name ON optimizations (name, created_at);
+ALTER TABLE rollouts ADD COLUMN assets TEXT, ADD COLUMN seed BIGINT;
+ALTER TABLE spans ADD COLUMN assets TEXT NOT NULL DEFAULT '{}';
+""",
 )
 """Each entry takes the schema one version up; append, never edit a shipped one."""
 
@@ -122,6 +141,8 @@ MAX_VERSION = "SELECT max(version) FROM versions WHERE role = ANY(%s)"
 MAX_SEQ = "SELECT max(seq) FROM spans WHERE rollout_id = %s AND attempt = %s"
 _ISSUE_KEY = 0x74726163657276  # "tracerv": issuers of policy versions, not migrations
 ISSUE_LOCK = f"SELECT pg_advisory_xact_lock({_ISSUE_KEY})"
+_ASSET_KEY = 0x74726163657261  # "tracera": puts of asset versions
+ASSET_LOCK = f"SELECT pg_advisory_xact_lock({_ASSET_KEY})"
 DB_NOW = "SELECT extract(epoch FROM clock_timestamp())::float8"
 # SKIP LOCKED: concurrent claimers pass over rows another transaction holds instead of
 # queueing behind it, so each takes the next free rollouts and none gets one twice.

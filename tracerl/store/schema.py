@@ -33,6 +33,7 @@ __all__ = [
     "add_missing_columns",
     "reward_from_row",
     "rollout_from_row",
+    "rollout_row",
     "rollouts_query",
     "span_from_row",
     "span_row",
@@ -50,7 +51,7 @@ CREATE TABLE IF NOT EXISTS rollouts (
     id TEXT PRIMARY KEY, task_id TEXT NOT NULL REFERENCES tasks (id), status TEXT NOT NULL,
     attempt INTEGER NOT NULL, max_attempts INTEGER NOT NULL, group_id TEXT, runner_id TEXT,
     lease_expires_at REAL, created_at REAL NOT NULL, started_at REAL, finished_at REAL,
-    answer TEXT, reward REAL, error TEXT);
+    answer TEXT, reward REAL, error TEXT, assets TEXT, seed INTEGER);
 CREATE INDEX IF NOT EXISTS rollouts_claim ON rollouts (status, created_at);
 CREATE INDEX IF NOT EXISTS rollouts_lease ON rollouts (status, lease_expires_at);
 CREATE INDEX IF NOT EXISTS rollouts_group ON rollouts (group_id);
@@ -61,7 +62,8 @@ CREATE TABLE IF NOT EXISTS spans (
     policy_version INTEGER NOT NULL, prompt_ids BLOB NOT NULL, completion_ids BLOB NOT NULL,
     logprobs BLOB NOT NULL, messages TEXT NOT NULL, response TEXT NOT NULL,
     finish_reason TEXT NOT NULL, temperature REAL NOT NULL, prefix_reused INTEGER NOT NULL,
-    prefix_break TEXT, parent_span_id TEXT, latency_s REAL NOT NULL, created_at REAL NOT NULL);
+    prefix_break TEXT, parent_span_id TEXT, latency_s REAL NOT NULL, created_at REAL NOT NULL,
+    assets TEXT NOT NULL DEFAULT '{}');
 CREATE UNIQUE INDEX IF NOT EXISTS spans_order ON spans (rollout_id, attempt, seq);
 CREATE TABLE IF NOT EXISTS rewards (
     rollout_id TEXT NOT NULL REFERENCES rollouts (id), attempt INTEGER NOT NULL,
@@ -71,6 +73,15 @@ CREATE INDEX IF NOT EXISTS rewards_attempt ON rewards (rollout_id, attempt);
 CREATE TABLE IF NOT EXISTS versions (
     role TEXT NOT NULL, version INTEGER NOT NULL, path TEXT NOT NULL, created_at REAL NOT NULL,
     PRIMARY KEY (role, version));
+CREATE TABLE IF NOT EXISTS assets (
+    name TEXT NOT NULL, version INTEGER NOT NULL, text TEXT NOT NULL, note TEXT NOT NULL,
+    candidate INTEGER NOT NULL, created_at REAL NOT NULL, PRIMARY KEY (name, version));
+CREATE TABLE IF NOT EXISTS comparisons (
+    id TEXT PRIMARY KEY, name TEXT NOT NULL, created_at REAL NOT NULL, body TEXT NOT NULL);
+CREATE INDEX IF NOT EXISTS comparisons_name ON comparisons (name, created_at);
+CREATE TABLE IF NOT EXISTS optimizations (
+    id TEXT PRIMARY KEY, name TEXT NOT NULL, created_at REAL NOT NULL, body TEXT NOT NULL);
+CREATE INDEX IF NOT EXISTS optimizations_name ON optimizations (name, created_at);
 """
 
 # Column order equals field order of the records, so rows zip straight into them.
@@ -80,7 +91,10 @@ ROLLOUT_COLS = tuple(Rollout.model_fields)
 SPAN_COLS = tuple(Span.model_fields)
 REWARD_COLS = tuple(Reward.model_fields)
 SELECT_ROLLOUT = f"SELECT {', '.join(ROLLOUT_COLS)} FROM rollouts"
-MUTABLE = tuple(c for c in ROLLOUT_COLS if c not in ("id", "task_id", "max_attempts"))
+# What enqueue fixes (the task, the attempts allowed, the assets and seed) never changes.
+MUTABLE = tuple(
+    c for c in ROLLOUT_COLS if c not in ("id", "task_id", "max_attempts", "assets", "seed")
+)
 UPDATE_ROLLOUT = (
     f"UPDATE rollouts SET {', '.join(f'{c} = ?' for c in MUTABLE)} WHERE id = ? AND status = ?"
 )
@@ -96,7 +110,11 @@ INSERT_REWARD = (
 )
 
 
-_ADDED_COLUMNS = {"rewards": {"role": "TEXT"}}
+_ADDED_COLUMNS = {
+    "rewards": {"role": "TEXT"},
+    "rollouts": {"assets": "TEXT", "seed": "INTEGER"},
+    "spans": {"assets": "TEXT NOT NULL DEFAULT '{}'"},
+}
 """Columns added after a table was first shipped: files written before get them on open."""
 
 
@@ -130,9 +148,23 @@ def task_from_row(row: Sequence[object]) -> Task:
     )
 
 
+_ASSETS = ROLLOUT_COLS.index("assets")
+
+
+def rollout_row(r: Rollout) -> list[object]:
+    """A rollout as INSERT_ROLLOUT's values: its status as text, its assets as JSON."""
+    values: list[object] = [getattr(r, c) for c in ROLLOUT_COLS]
+    values[ROLLOUT_COLS.index("status")] = RolloutStatus(r.status).value
+    values[_ASSETS] = None if r.assets is None else _json(r.assets)
+    return values
+
+
 def rollout_from_row(row: Sequence[object]) -> Rollout:
     """A rollouts row (selected as SELECT_ROLLOUT) as a record."""
-    return Rollout.model_validate(dict(zip(ROLLOUT_COLS, row, strict=True)))
+    fields = dict(zip(ROLLOUT_COLS, row, strict=True))
+    if isinstance(fields["assets"], str):
+        fields["assets"] = orjson.loads(fields["assets"])
+    return Rollout.model_validate(fields)
 
 
 def span_row(s: Span) -> tuple[object, ...]:
@@ -143,6 +175,7 @@ def span_row(s: Span) -> tuple[object, ...]:
         # Key order kept (not _json): messages read back exactly as the agent sent them.
         orjson.dumps(s.messages).decode(), orjson.dumps(s.response).decode(),
         s.finish_reason, s.temperature, s.prefix_reused, s.prefix_break, s.parent_span_id, s.latency_s, s.created_at,
+        _json(s.assets),
     )  # fmt: skip
 
 
@@ -162,6 +195,7 @@ def span_from_row(row: Sequence[object]) -> Span:
     fields["logprobs"] = unpack_floats(fields["logprobs"])
     fields["messages"] = orjson.loads(fields["messages"])
     fields["response"] = orjson.loads(fields["response"])
+    fields["assets"] = orjson.loads(fields["assets"])
     # Validated on the way in; re-validating thousands of ids per read would be waste.
     return Span.model_construct(**fields)
 

@@ -13,13 +13,12 @@ from __future__ import annotations
 import hashlib
 import time
 import uuid
-from enum import Enum
 from typing import TYPE_CHECKING
 
 from pydantic import Field
 
 from tracerl.store import schema as sqlite_schema
-from tracerl.store.schema import ROLLOUT_COLS, task_row
+from tracerl.store.schema import rollout_row, task_row
 from tracerl.store.wire import _Body
 from tracerl.types import Rollout, RolloutStatus, Task
 
@@ -93,7 +92,7 @@ def open_sqlite_session(self: SqliteStore, key: str, lease_s: float = 600.0) -> 
     task, queued = session_records(key, now)
     with self._tx() as db:
         db.execute("INSERT INTO tasks VALUES (?, ?, ?, ?) ON CONFLICT DO NOTHING", task_row(task))
-        db.execute(sqlite_schema.INSERT_ROLLOUT, [getattr(queued, c) for c in ROLLOUT_COLS])
+        db.execute(sqlite_schema.INSERT_ROLLOUT, rollout_row(queued))
         return self._transition(db, queued, RolloutStatus.running, **session_start(now, lease_s))
 
 
@@ -105,12 +104,6 @@ def open_postgres_session(self: PostgresStore, key: str, lease_s: float = 600.0)
         now = self._now()
         task, queued = session_records(key, now)
         cur.execute(postgres_schema.INSERT_TASK, task_row(task))
-        # Statuses go in as their text, as the backend's own inserts send them.
-        row = [getattr(queued, c) for c in ROLLOUT_COLS]
-        cur.execute(postgres_schema.INSERT_ROLLOUT, _text(row))
+        cur.execute(postgres_schema.INSERT_ROLLOUT, rollout_row(queued))
         start = [(queued, session_start(now, lease_s))]
         return self._transition(cur, start, RolloutStatus.running)[0]
-
-
-def _text(row: list[object]) -> list[object]:
-    return [v.value if isinstance(v, Enum) else v for v in row]

@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING
 import orjson
 
 from tracerl.store import Conflict, InvalidTransition, NotFound, Store, StoreError
+from tracerl.store.assets import AssetSql, SqlAssets
 from tracerl.store.lifecycle import (
     attempts,
     check_current,
@@ -50,7 +51,6 @@ from tracerl.store.schema import (
     INSERT_SPAN,
     MUTABLE,
     REWARD_COLS,
-    ROLLOUT_COLS,
     SCHEMA,
     SELECT_ROLLOUT,
     SET_VERSION_PATH,
@@ -59,6 +59,7 @@ from tracerl.store.schema import (
     add_missing_columns,
     reward_from_row,
     rollout_from_row,
+    rollout_row,
     rollouts_query,
     span_from_row,
     span_row,
@@ -80,8 +81,10 @@ from tracerl.types import (
 __all__ = ["SqliteStore"]
 
 
-class SqliteStore:
+class SqliteStore(SqlAssets):
     """The Store protocol on SQLite; safe to share between threads (see the module doc)."""
+
+    _assets_sql = AssetSql("?")  # IMMEDIATE transactions: puts take turns
 
     def __init__(self, path: str | Path = ":memory:") -> None:
         self.path = str(path)
@@ -177,11 +180,14 @@ class SqliteStore:
     # -- rollout lifecycle ----------------------------------------------------------------
 
     def enqueue(
-        self, task_ids: list[str], group_id: str | None = None, max_attempts: int = 3
+        self,
+        task_ids: list[str],
+        group_id: str | None = None,
+        max_attempts: int = 3,
+        assets: dict[str, int] | None = None,
+        seeds: list[int] | None = None,
     ) -> list[Rollout]:
-        if max_attempts < 1:
-            raise ValueError("max_attempts must be at least 1")
-        new = new_rollouts(task_ids, group_id, max_attempts, time.time())
+        new = new_rollouts(task_ids, group_id, max_attempts, time.time(), assets, seeds)
         with self._tx() as db:
             wanted = sorted(set(task_ids))
             found = {
@@ -192,7 +198,7 @@ class SqliteStore:
                 )
             }
             check_found(wanted, found)
-            db.executemany(INSERT_ROLLOUT, [[getattr(r, c) for c in ROLLOUT_COLS] for r in new])
+            db.executemany(INSERT_ROLLOUT, [rollout_row(r) for r in new])
         return new
 
     def claim(self, runner_id: str, n: int = 1, lease_s: float = 30.0) -> list[Rollout]:

@@ -9,12 +9,14 @@ leases are bounded by the service's config (Limits.max_lease_s, checked in http.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Annotated, Any
 
-from pydantic import BaseModel, ConfigDict, Field, TypeAdapter
+from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, model_validator
 
+from tracerl.assets.records import Asset, AssetName, Comparison, Optimization
 from tracerl.store import Conflict, InvalidTransition, LeaseLost, NotFound, StoreError
 from tracerl.types import (
+    SEED_LIMIT,
     PolicyVersion,
     Reward,
     RewardValue,
@@ -27,6 +29,7 @@ from tracerl.types import (
 __all__ = [
     "ATTEMPT_MAX",
     "LIMIT_MAX",
+    "AssetRequest",
     "ClaimRequest",
     "Claimed",
     "EnqueueRequest",
@@ -61,6 +64,16 @@ class EnqueueRequest(_Body):
     """Group the new rollouts share."""
     max_attempts: int = Field(3, ge=1, lt=ATTEMPT_MAX)
     """Attempts before an expiring lease times the rollout out."""
+    assets: dict[AssetName, Annotated[int, Field(ge=0, lt=ATTEMPT_MAX)]] | None = None
+    """The asset versions the new rollouts' calls see (0: withheld); None: the gateway's."""
+    seeds: list[Annotated[int, Field(ge=0, lt=SEED_LIMIT)]] | None = None
+    """One sampling seed per task id (Rollout.seed); None: none."""
+
+    @model_validator(mode="after")
+    def _one_seed_each(self) -> EnqueueRequest:
+        if self.seeds is not None and len(self.seeds) != len(self.task_ids):
+            raise ValueError(f"{len(self.seeds)} seeds for {len(self.task_ids)} task ids")
+        return self
 
 
 class ClaimRequest(_Body):
@@ -119,6 +132,19 @@ class IssueRequest(_Body):
     """The roles the new version's weights will be served in."""
 
 
+class AssetRequest(_Body):
+    """Body of POST /store/assets: a new version of an asset."""
+
+    name: AssetName
+    """The asset."""
+    text: str = Field(min_length=1)
+    """Its text."""
+    note: str = ""
+    """Why this version exists."""
+    candidate: bool = False
+    """An optimizer's proposal (never current)."""
+
+
 class Claimed(Rollout):
     """A rollout as POST /store/claim returns it: the rollout and its agent's key."""
 
@@ -143,6 +169,13 @@ REWARD = TypeAdapter(RewardRequest)
 PV = TypeAdapter(PolicyVersion)
 ISSUE = TypeAdapter(IssueRequest)
 SEQS = TypeAdapter(list[int])
+ASSET = TypeAdapter(Asset)
+ASSETS = TypeAdapter(list[Asset])
+PUT_ASSET = TypeAdapter(AssetRequest)
+COMPARISON = TypeAdapter(Comparison)
+COMPARISONS = TypeAdapter(list[Comparison])
+OPTIMIZATION = TypeAdapter(Optimization)
+OPTIMIZATIONS = TypeAdapter(list[Optimization])
 ISSUED = TypeAdapter(int)
 
 # -- the OpenAPI document ---------------------------------------------------------------

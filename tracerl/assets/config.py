@@ -1,0 +1,62 @@
+"""Asset settings, torch-free (the CLI reads them for --help): how the gateway applies an
+asset (AssetUse, in GatewayConfig.assets) and how a training run internalizes one
+(AssetsConfig, TrainConfig.assets)."""
+
+from __future__ import annotations
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from tracerl.assets.apply import Mode
+from tracerl.assets.records import AssetName
+
+__all__ = ["AssetUse", "AssetsConfig", "CurriculumConfig"]
+
+
+class AssetUse(BaseModel):
+    """How the gateway applies one asset to the calls it serves."""
+
+    model_config = ConfigDict(use_attribute_docstrings=True, extra="forbid", frozen=True)
+
+    version: int | None = Field(default=None, ge=1, lt=2**31)
+    """The version applied; None: the current one, looked up once per rollout attempt (so
+    a rollout's calls all see one version, even if a new one is put meanwhile)."""
+    mode: Mode = "append"
+    """'append': after the system message's text; 'replace': instead of it. A request
+    without a system message gets one."""
+    roles: list[str] | None = None
+    """Only calls of these roles (model names); None: every role."""
+
+
+class CurriculumConfig(BaseModel):
+    """An asset given to each training rollout with a probability that falls linearly from
+    `start` to `end` over `steps` training steps (then stays at `end`)."""
+
+    model_config = ConfigDict(use_attribute_docstrings=True, extra="forbid", frozen=True)
+
+    name: AssetName
+    """The asset (in the run's store; put it with `tracerl assets put NAME FILE --store`)."""
+    version: int | None = Field(default=None, ge=1, lt=2**31)
+    """Its version; None: the current one when the run starts (recorded in the metrics)."""
+    start: float = Field(default=1.0, ge=0, le=1)
+    """Probability that a rollout carries the asset at step 0."""
+    end: float = Field(default=0.0, ge=0, le=1)
+    """Probability from step `steps` on."""
+    steps: int = Field(default=20, ge=1)
+    """Training steps over which it falls from `start` to `end`."""
+    seed: int = 0
+    """Seed of the per-rollout draws."""
+
+    def probability(self, step: int) -> float:
+        """The chance that a rollout issued at `step` carries the asset."""
+        done = min(max(step, 0) / self.steps, 1.0)
+        return self.start + (self.end - self.start) * done
+
+
+class AssetsConfig(BaseModel):
+    """Assets in a training run: a curriculum that withdraws one from the rollouts while
+    the weights learn what it said. Held-out evaluations always run without it."""
+
+    model_config = ConfigDict(use_attribute_docstrings=True, extra="forbid")
+
+    curriculum: CurriculumConfig | None = None
+    """E.g. {"name": "format", "start": 1.0, "end": 0.0, "steps": 20}; None: off."""
