@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Annotated, Literal
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_validator
 
+from tracerl.assets.config import AssetUse
 from tracerl.trainer.config import LoraSettings
 
 if TYPE_CHECKING:
@@ -240,3 +241,8 @@ class GatewayConfig(BaseModel):
     key); "rollouts" refuses such calls with a 400 naming X-Tracerl-Rollout."""
     session_idle_s: float = Field(default=300.0, gt=0)
     """Seconds without a call after which a session's rollout is finished (succeeded)."""
+    assets: dict[str, AssetUse] = {}
+    """Assets (named, versioned texts in the store: `tracerl assets put`) added to the
+    system message of every chat call, before templating, e.g. '{"format": {"mode":
+    "append", "roles": ["policy"]}}' (version: a pinned one; default the current one, per
+    rollout attempt). A rollout's own assets override the versions; spans record them."""

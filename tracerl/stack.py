@@ -197,6 +197,6 @@ def start_multi_stack(
     names = gateway_cfg or GatewayConfig()
     gateway = Gateway(store, served, remote=remote, aliases=names.model_aliases,
                       default_model=names.default_model, record=names.record,
-                      session_idle_s=names.session_idle_s)  # fmt: skip
+                      session_idle_s=names.session_idle_s, assets=names.assets)  # fmt: skip
     server = serve_in_thread(create_app(gateway, keys=keys, limits=limits), host, port)
     return LocalStack(store, engines, gateway, server)

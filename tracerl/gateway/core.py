@@ -24,7 +24,9 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
+from tracerl.assets.config import AssetUse
 from tracerl.engines.base import EngineUnavailable, collect_stream, generate_routed
+from tracerl.gateway.assets import AssetContext
 from tracerl.gateway.chat import ChatRequest, CompletionRequest
 from tracerl.gateway.distill import StudentEncoder
 from tracerl.gateway.errors import GatewayError, invalid
@@ -77,6 +79,7 @@ class Gateway:
         default_model: str | None = None,
         record: Record = "all",
         session_idle_s: float = 300.0,
+        assets: dict[str, AssetUse] | None = None,
     ) -> None:
         self.store = store
         self.models = models
@@ -102,6 +105,9 @@ class Gateway:
         self.store_executor = ThreadPoolExecutor(STORE_THREADS, "tracerl-store")
         """Where store calls run, the span recorder's and the /store API's."""
         self._tokenizer_thread = ThreadPoolExecutor(1, "tracerl-tokenize")
+        self.context = AssetContext(store, assets or {}, self.store_executor, memory)
+        """The assets each call's prompt carries, and its seed (gateway/assets.py)."""
+        self.context.check()
         self.recorder = SpanRecorder(store, memory, self.store_executor)
         self.sessions = (
             Sessions(store, self.store_executor, session_idle_s, lease_s=3 * session_idle_s)
@@ -171,6 +177,7 @@ class Gateway:
         served = self.model(role)
         rollout = await self.recorder.rollout(target)
         parent_id = await self.recorder.parent(rollout, parent)
+        req, assets = await self.context.chat(req, role, rollout)
         # A sub-agent of the same role as its parent (a planner calling a planner) has its
         # own conversation: keying by parent keeps the parent's token history intact.
         key = (rollout.id, rollout.attempt, role, parent_id) if rollout else None
@@ -180,12 +187,13 @@ class Gateway:
         params = await self._tokenize(constrained, served, req, tools, params)
         return Pending(
             served, req.model, rollout, parent_id, key, messages, tools, prompt, params, req.n,
-            "chatcmpl", uuid.uuid4().hex,
+            "chatcmpl", uuid.uuid4().hex, assets,
         )  # fmt: skip
 
     async def count_tokens(self, req: ChatRequest) -> int:
         """How many tokens the request's prompt holds, rendered afresh (nothing sampled)."""
         served = self.model(self.role(req.model))
+        req, _ = await self.context.chat(req, served.name, None)
         _, _, prompt = await self._tokenize(chat_prompt, served, req, None)
         return len(prompt.ids)
 
@@ -215,7 +223,8 @@ class Gateway:
             # What the engine's grammar allowed once complete, for re-scoring.
             engine = p.served.engine
             eos = getattr(engine, "grammar_eos_token_ids", engine.eos_token_ids)
-            call = Call(span_id, role, p.parent_id, p.messages, p.prompt, p.params, latency, eos)
+            call = Call(span_id, role, p.parent_id, p.messages, p.prompt, p.params, latency, eos,
+                        p.assets)  # fmt: skip
             await self.recorder.record(p.rollout, call, choices)
         return Served(
             id=f"{p.kind}-{span_id}",
@@ -237,6 +246,7 @@ class Gateway:
         remote = self.remote[role]
         rollout = await self.recorder.rollout(target)
         parent_id = await self.recorder.parent(rollout, parent)
+        req, assets = await self.context.chat(req, role, rollout)
         messages = request_messages(req)
         student = self._students.get(role) if rollout is not None else None
         key = (rollout.id, rollout.attempt, role, parent_id) if rollout else None
@@ -254,7 +264,7 @@ class Gateway:
         span_id = uuid.uuid4().hex
         if rollout is not None:
             params = SamplingParams(temperature=req.temperature)
-            call = Call(span_id, role, parent_id, messages, prompt, params, latency)
+            call = Call(span_id, role, parent_id, messages, prompt, params, latency, [], assets)
             if student is None or key is None:
                 await self.recorder.record_text(rollout, call, body)
             else:
@@ -276,6 +286,7 @@ class Gateway:
         served = self.model(self.role(req.model))
         rollout = await self.recorder.rollout(target)
         parent_id = await self.recorder.parent(rollout, parent)
+        req = await self.context.completion(req, rollout)
         if inline_ids(req.prompt):  # a short id list: checked here, no thread hop
             ids = completion_ids(served, req.prompt)
         else:
@@ -365,6 +376,7 @@ class Gateway:
         """Drop what the gateway remembers of a finished attempt: no call of it follows."""
         self.histories.forget(rollout.id, rollout.attempt)
         self.recorder.forget(rollout.id, rollout.attempt)
+        self.context.forget(rollout.id, rollout.attempt)
 
 
 def _route(rollout: Rollout | None, role: str) -> str | None:

@@ -64,6 +64,8 @@ class Call:
     """Seconds the engine took."""
     eos_token_ids: list[int] = field(default_factory=list)
     """The engine's end tokens (what a grammar allows once complete, for re-scoring)."""
+    assets: dict[str, int] = field(default_factory=dict)
+    """The assets in its prompt, name -> version (gateway/assets.py)."""
 
 
 class SpanRecorder:
@@ -219,6 +221,7 @@ def _span(rollout: Rollout, call: Call, c: Choice) -> Span:
         parent_span_id=call.parent_id,
         latency_s=call.latency,
         created_at=time.time(),
+        assets=call.assets,
     )
 
 
@@ -254,4 +257,5 @@ def _text_span(rollout: Rollout, call: Call, i: int, choice: dict[str, Any]) -> 
         temperature=call.params.temperature,
         parent_span_id=call.parent_id,
         latency_s=call.latency,
+        assets=call.assets,
     )

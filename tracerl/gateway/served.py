@@ -117,6 +117,8 @@ class Pending:
     """Response id prefix: 'chatcmpl' or 'cmpl'."""
     span_id: str
     """Id of its first choice's span, chosen up front so a stream's first chunk carries it."""
+    assets: dict[str, int] = field(default_factory=dict)
+    """The assets in its prompt, name -> version (gateway/assets.py)."""
 
 
 @dataclass
