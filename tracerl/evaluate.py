@@ -122,13 +122,18 @@ def run_rollouts(
     desc: str = "rollouts",
     model: str = "policy",
     threshold: float = 1.0,
+    assets: dict[str, int] | None = None,
+    seeds: list[int] | None = None,
 ) -> list[Rollout]:
     """Queue repeats x tasks rollouts, run them with a runner pool, return them finished;
     the agent is told to call `model` (the top role); the bar counts rewards >= threshold
-    as successes."""
+    as successes. Every rollout is given `assets` (Rollout.assets: the versions its calls
+    see, 0 withholding one) and its entry of `seeds`, in queue order (each task's repeats
+    in turn)."""
     store.add_tasks(tasks)
     group_id = group_id or uuid.uuid4().hex[:12]
-    queued = store.enqueue([t.id for t in tasks for _ in range(repeats)], group_id=group_id)
+    ids = [t.id for t in tasks for _ in range(repeats)]
+    queued = store.enqueue(ids, group_id=group_id, assets=assets, seeds=seeds)
     bar = tqdm(total=len(queued), desc=desc, unit="rollout", dynamic_ncols=True)
     wins = 0
 
@@ -203,13 +208,14 @@ def evaluate(
     desc: str = "eval",
     model: str = "policy",
     threshold: float = 1.0,
+    assets: dict[str, int] | None = None,
 ) -> EvalReport:
     """Run and summarise an evaluation; the agent is told to call `model`; success is a
-    reward >= threshold."""
+    reward >= threshold; every rollout is given `assets` (see run_rollouts)."""
     started = time.perf_counter()
     rollouts = run_rollouts(
         store, gateway_url, agent, reward_fn, tasks, repeats, cfg, desc=desc, model=model,
-        threshold=threshold,
+        threshold=threshold, assets=assets,
     )  # fmt: skip
     return report(store, rollouts, time.perf_counter() - started, threshold)
 
