@@ -23,10 +23,12 @@ from typing import Literal
 from tracerl.algorithms.curation import Curation
 from tracerl.pipeline.sources import (
     Agents,
+    Enqueue,
     SourceState,
     SourceStats,
     TaskOrder,
     issue_group,
+    plain_enqueue,
     read_finished,
 )
 from tracerl.store import Store
@@ -71,8 +73,10 @@ class AsyncSource:
         max_attempts: int = 3,
         poll_s: float = 0.02,
         trained_roles: Collection[str] | None = None,
+        enqueue: Enqueue = plain_enqueue,
     ) -> None:
         self.run, self.store, self.order, self.curation = run, store, order, curation
+        self.enqueue = enqueue
         # Only trained roles' spans age: a frozen role's weights never change.
         self.trained_roles = None if trained_roles is None else frozenset(trained_roles)
         self.version, self.max_staleness, self.stale = version, max_staleness, stale
@@ -116,7 +120,7 @@ class AsyncSource:
                 task = self.order.task(self.issued)
                 gid = self.group_id(self.issued, task)
                 size = self.curation.group_size(task.id)
-                issue_group(self.store, gid, task, size, self.max_attempts)
+                issue_group(self.store, gid, task, size, self.max_attempts, self.enqueue)
                 self.pending.append(_Pending(self.issued, gid, task))
                 self.issued += 1
 
@@ -202,7 +206,7 @@ class AsyncSource:
             elif self.stale == "requeue":
                 p.discarded.add(r.id)
                 del p.read[r.id]
-                self.store.enqueue([p.task.id], p.id, self.max_attempts)
+                self.enqueue(self.store, [p.task.id], p.id, self.max_attempts)
                 self.stats.stale_requeued += 1
             else:
                 self.stats.stale_dropped += 1

@@ -11,6 +11,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from tracerl.algorithms.config import AlgorithmConfig, CurationConfig
+from tracerl.assets.config import AssetsConfig
 from tracerl.cluster.config import ClusterConfig
 from tracerl.engines.config import EngineConfig
 from tracerl.roles import (
@@ -181,6 +182,10 @@ class TrainConfig(BaseModel):
     cluster: ClusterConfig = ClusterConfig()
     """Past one machine: Ray places the runners and trainer ranks (`--cluster.address`);
     off by default, and Ray is then never imported."""
+    assets: AssetsConfig = AssetsConfig()
+    """Assets in training: `--assets.curriculum '{"name": "format", "start": 1.0, "end":
+    0.0, "steps": 20}'` gives each rollout the asset (from the run's store) with a
+    probability falling over the steps; held-out evaluations run without it."""
 
     @model_validator(mode="before")
     @classmethod

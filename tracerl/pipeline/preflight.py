@@ -140,12 +140,14 @@ def preflight(
     max_context: int,
     threshold: float,
     refuse: bool = True,
+    assets: dict[str, int] | None = None,
 ) -> PreflightReport:
-    """Run the pre-flight groups and report; PreflightError when the reward never varies."""
+    """Run the pre-flight groups (their rollouts given `assets`: as training starts them)
+    and report; PreflightError when the reward never varies."""
     rollouts = run_rollouts(
         store, agents.gateway_url, agents.agent, agents.reward_fn, tasks, group_size,
         agents.cfg, group_id=f"preflight-{tasks[0].id}", desc="pre-flight",
-        model=agents.model, threshold=threshold,
+        model=agents.model, threshold=threshold, assets=assets,
     )  # fmt: skip
     spans = [s for r in rollouts for s in store.spans(r.id)]
     report = check_start(rollouts, spans, max_context, threshold)

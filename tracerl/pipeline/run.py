@@ -34,6 +34,7 @@ from tqdm import tqdm
 
 from tracerl.agents import AgentFn, RewardFn, load_agent, load_callable
 from tracerl.algorithms.curation import Curation
+from tracerl.assets.curriculum import Curriculum
 from tracerl.engines.config import EngineConfig
 from tracerl.evaluate import EvalReport, evaluate, load_tasks
 from tracerl.gateway.remote import RemoteModel
@@ -45,10 +46,18 @@ from tracerl.pipeline.control import Control
 from tracerl.pipeline.export import Exported, export_outputs
 from tracerl.pipeline.guards import Guards
 from tracerl.pipeline.preflight import PreflightReport, preflight
-from tracerl.pipeline.sources import Agents, RolloutSource, SyncSource, TaskOrder
+from tracerl.pipeline.sources import (
+    Agents,
+    Enqueue,
+    RolloutSource,
+    SyncSource,
+    TaskOrder,
+    plain_enqueue,
+)
 from tracerl.pipeline.step import Pipeline, Policy
 from tracerl.roles import GatewayConfig, PolicySpec, remote_roles
 from tracerl.stack import LocalStack, start_multi_stack
+from tracerl.store import NotFound, Store
 from tracerl.trainer.config import TrainerConfig
 from tracerl.trainer.lead import Leader
 from tracerl.trainer.trainer import Trainer
@@ -128,17 +137,35 @@ def make_source(
     curation: Curation,
     version: Callable[[], int],
     trained_roles: list[str],
+    enqueue: Enqueue = plain_enqueue,
 ) -> RolloutSource:
-    """The rollout source for cfg.pipeline.mode; frozen roles never age (async)."""
+    """The rollout source for cfg.pipeline.mode, queueing with `enqueue` (an asset
+    curriculum's, or plainly); frozen roles never age (async)."""
     p = cfg.pipeline
     order = TaskOrder(tasks, p.tasks_per_step, p.seed)
     if p.mode == "sync":
-        return SyncSource(cfg.name, stack.store, agents, order, curation)
+        return SyncSource(cfg.name, stack.store, agents, order, curation, enqueue=enqueue)
     return AsyncSource(
         cfg.name, stack.store, agents, order, curation, version,
         max_staleness=p.max_staleness, window=p.window, stale=p.stale,
-        trained_roles=trained_roles,
+        trained_roles=trained_roles, enqueue=enqueue,
     )  # fmt: skip
+
+
+def make_curriculum(cfg: TrainConfig, store: Store, step: Callable[[], int]) -> Curriculum | None:
+    """The run's asset curriculum (None without one), carrying the configured version or
+    the current one; ValueError naming the store when the asset is not in it."""
+    c = cfg.assets.curriculum
+    if c is None:
+        return None
+    try:
+        asset = store.asset(c.name, c.version)
+    except NotFound as e:
+        raise ValueError(
+            f"assets.curriculum: {e.message} in the run's store; put it there first "
+            f"(`tracerl assets put {c.name} FILE --store <the run's store>`)"
+        ) from None
+    return Curriculum(c, asset.version, step)
 
 
 TrainerFactory = Callable[[str | Path, TrainerConfig, str], Trainer | Leader]
@@ -183,6 +210,8 @@ class _Run:
     eval_s: float = 0.0
     extra: Callable[[], dict[str, float]] = field(default=dict)
     """More values for each step's metrics (a cluster's runner counts per node)."""
+    curriculum: Curriculum | None = None
+    """The asset curriculum: held-out evaluations withhold its asset."""
 
     def evaluate(self, tasks: list[Task], label: str) -> float:
         """Held-out success; async generation stops issuing meanwhile so the evaluation's
@@ -194,6 +223,7 @@ class _Run:
                 self.stack.store, self.agents.gateway_url, self.agents.agent,
                 self.agents.reward_fn, tasks, 1, self.agents.cfg, desc=label,
                 model=self.agents.model, threshold=self.cfg.success_threshold,
+                assets=self.curriculum.withheld if self.curriculum else None,
             )  # fmt: skip
         finally:
             self.source.pause(False)
@@ -206,6 +236,7 @@ class _Run:
         report = preflight(
             self.stack.store, self.agents, self.train_tasks[: g.preflight_tasks],
             self.cfg.pipeline.group_size, engine.max_context, self.cfg.success_threshold,
+            assets=self.curriculum.at_start() if self.curriculum else None,
         )  # fmt: skip
         (self.run_dir / "preflight.json").write_text(report.model_dump_json(indent=2))
         self.guards.warned += [f"preflight: {w}" for w in report.warnings]
@@ -259,9 +290,13 @@ def train(
         curation = Curation.build(cfg.curation, cfg.pipeline.group_size, cfg.success_threshold)
         trainer = policies[0].trainer  # every policy's version moves in step with the others
         roles = [role for p in policies for role in p.roles]
+        # The schedule reads the pipeline's step (the pipeline is built just below, before
+        # the source issues anything).
+        curriculum = make_curriculum(cfg, stack.store, lambda: pipeline.step)
         source = make_source(
-            cfg, stack, agents, train_tasks, curation, lambda: trainer.version, roles
-        )
+            cfg, stack, agents, train_tasks, curation, lambda: trainer.version, roles,
+            curriculum.enqueue if curriculum else plain_enqueue,
+        )  # fmt: skip
         exits.callback(source.close)
         checkpoints = Checkpoints(run_dir, cfg.pipeline.keep_checkpoints)
         pipeline = Pipeline(
@@ -278,7 +313,7 @@ def train(
             cfg, run_dir, stack, log, agents, source, pipeline, held_out, train_tasks, guards,
             started,
         )  # fmt: skip
-        run.extra = extra
+        run.extra, run.curriculum = extra, curriculum
         if resume:
             # The previous process's runners are dead: their leases will not be renewed.
             stack.store.requeue_expired(now=float("inf"))
@@ -306,6 +341,8 @@ def _loop(run: _Run) -> TrainSummary:
         values["time/wall_s"] = time.perf_counter() - run.started
         values["time/train_wall_s"] = time.perf_counter() - run.started - run.eval_s
         values |= run.extra()
+        if run.curriculum is not None:
+            values |= run.curriculum.values()
         every = cfg.pipeline.eval_every
         if every and report.step % every == 0 and report.step < cfg.pipeline.steps:
             subset = run.held_out[: cfg.pipeline.eval_size]  # None: all of them

@@ -29,6 +29,7 @@ from tracerl.types import HAS_OUTCOME, FinishedRollout, Group, Rollout, Task
 
 __all__ = [
     "Agents",
+    "Enqueue",
     "RolloutRunner",
     "RolloutSource",
     "SourceState",
@@ -36,6 +37,7 @@ __all__ = [
     "SyncSource",
     "TaskOrder",
     "issue_group",
+    "plain_enqueue",
     "read_finished",
 ]
 
@@ -174,11 +176,26 @@ class TaskOrder:
         return [self.task(k) for k in range(step * self.per_step, (step + 1) * self.per_step)]
 
 
-def issue_group(store: Store, gid: str, task: Task, size: int, max_attempts: int) -> None:
+Enqueue = Callable[[Store, list[str], str, int], list[Rollout]]
+"""How a source queues rollouts: (store, task ids, group id, max attempts) -> the rollouts
+queued. A run with an asset curriculum gives each its assets (tracerl.assets.curriculum)."""
+
+
+def plain_enqueue(
+    store: Store, task_ids: list[str], group_id: str, max_attempts: int
+) -> list[Rollout]:
+    """Queue the rollouts as they are (the gateway's config decides their assets)."""
+    return store.enqueue(task_ids, group_id, max_attempts)
+
+
+def issue_group(
+    store: Store, gid: str, task: Task, size: int, max_attempts: int,
+    enqueue: Enqueue = plain_enqueue,
+) -> None:  # fmt: skip
     """Queue `size` rollouts of `task` under `gid`, unless a resumed run already did."""
     store.add_tasks([task])
     if not store.rollouts(group_id=gid):
-        store.enqueue([task.id] * size, gid, max_attempts)
+        enqueue(store, [task.id] * size, gid, max_attempts)
 
 
 def read_finished(store: Store, rollout: Rollout) -> FinishedRollout:
@@ -207,8 +224,9 @@ class SyncSource:
         curation: Curation,
         max_attempts: int = 3,
         max_topups: int = 3,
+        enqueue: Enqueue = plain_enqueue,
     ) -> None:
-        self.run, self.store, self.order = run, store, order
+        self.run, self.store, self.order, self.enqueue = run, store, order, enqueue
         self.runner = agents.runner(store)
         self.curation, self.max_attempts, self.max_topups = curation, max_attempts, max_topups
         self.stats = SourceStats()
@@ -220,7 +238,7 @@ class SyncSource:
     def _run(self, ids: list[tuple[str, Task]]) -> list[Group]:
         for gid, task in ids:
             size = self.curation.group_size(task.id)
-            issue_group(self.store, gid, task, size, self.max_attempts)
+            issue_group(self.store, gid, task, size, self.max_attempts, self.enqueue)
         asyncio.run(self.runner.run(until_idle=True))
         return [self._read(gid, task) for gid, task in ids]
 
