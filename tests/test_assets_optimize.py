@@ -11,7 +11,8 @@ import pytest
 
 from tests.assets_world import HARMFUL, HELPFUL, NEUTRAL, SEED, proposer_server, tasks, world
 from tracerl.assets.compare import compare, run_arm
-from tracerl.assets.optimize import Optimizer, OptimizeSettings, pareto
+from tracerl.assets.config import OptimizeSettings
+from tracerl.assets.optimize import Optimizer, pareto
 from tracerl.assets.proposers import SYSTEM, BootstrapProposer, LlmProposer, parse_candidate
 from tracerl.assets.records import AssetRef
 from tracerl.store import SqliteStore

@@ -20,6 +20,7 @@ from rich.console import Console
 
 from tracerl.dashboard.config import CtlCommand, DashboardCommand
 from tracerl.demo import DemoConfig
+from tracerl.entrypoints.assets import AssetsCommand
 from tracerl.entrypoints.config import (
     EvalCommand,
     RunnerCommand,
@@ -59,6 +60,7 @@ class Tracerl(
     dashboard: CliSubCommand[DashboardCommand]
     ctl: CliSubCommand[CtlCommand]
     export: CliSubCommand[ExportCommand]
+    assets: CliSubCommand[AssetsCommand]
 
 
 _terminated_by: int | None = None

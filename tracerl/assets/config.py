@@ -7,9 +7,9 @@ from __future__ import annotations
 from pydantic import BaseModel, ConfigDict, Field
 
 from tracerl.assets.apply import Mode
-from tracerl.assets.records import AssetName
+from tracerl.assets.records import AssetName, Test
 
-__all__ = ["AssetUse", "AssetsConfig", "CurriculumConfig"]
+__all__ = ["AssetUse", "AssetsConfig", "CurriculumConfig", "OptimizeSettings"]
 
 
 class AssetUse(BaseModel):
@@ -60,3 +60,24 @@ class AssetsConfig(BaseModel):
 
     curriculum: CurriculumConfig | None = None
     """E.g. {"name": "format", "start": 1.0, "end": 0.0, "steps": 20}; None: off."""
+
+
+class OptimizeSettings(BaseModel):
+    """How an optimization searches and what it must show to be accepted."""
+
+    model_config = ConfigDict(use_attribute_docstrings=True, extra="forbid", frozen=True)
+
+    rounds: int = Field(default=3, ge=1)
+    """Rounds of proposals at most (fewer when the best solves every train pair)."""
+    candidates: int = Field(default=3, ge=1)
+    """Candidates asked of the proposer per round."""
+    repeats: int = Field(default=1, ge=1)
+    """Rollouts per task in each arm (paired by repeat)."""
+    alpha: float = Field(default=0.05, gt=0, lt=1)
+    """The best is accepted only with a held-out p-value below this."""
+    test: Test = "mcnemar"
+    """The paired test: exact McNemar, or a bootstrap over tasks."""
+    cases: int = Field(default=4, ge=1)
+    """Failures shown to the proposer per round."""
+    seed: int = 0
+    """Base of the per-pair sampling seeds."""

@@ -20,21 +20,19 @@ candidate as a version; the proposer's calls are spans of rollouts of their own.
 
 from __future__ import annotations
 
+import random
 import time
 import traceback
 import uuid
 
-from pydantic import BaseModel, ConfigDict, Field
-
 from tracerl.assets.compare import Arena, ArmResult, paired, run_arm
+from tracerl.assets.config import OptimizeSettings
 from tracerl.assets.proposers import (
     Case,
     Evidence,
     Example,
-    LlmProposer,
     Proposal,
     Proposer,
-    proposer_prompt,
     similar,
     transcript,
 )
@@ -44,32 +42,24 @@ from tracerl.assets.records import (
     Comparison,
     Optimization,
     OptimizationRound,
-    Test,
 )
 from tracerl.types import Task
 
-__all__ = ["OptimizeSettings", "Optimizer", "pareto"]
+__all__ = ["Optimizer", "pareto", "split_held_out"]
 
 
-class OptimizeSettings(BaseModel):
-    """How an optimization searches and what it must show to be accepted."""
-
-    model_config = ConfigDict(use_attribute_docstrings=True, extra="forbid", frozen=True)
-
-    rounds: int = Field(default=3, ge=1)
-    """Rounds of proposals at most (fewer when the best solves every train pair)."""
-    candidates: int = Field(default=3, ge=1)
-    """Candidates asked of the proposer per round."""
-    repeats: int = Field(default=1, ge=1)
-    """Rollouts per task in each arm (paired by repeat)."""
-    alpha: float = Field(default=0.05, gt=0, lt=1)
-    """The best is accepted only with a held-out p-value below this."""
-    test: Test = "mcnemar"
-    """The paired test: exact McNemar, or a bootstrap over tasks."""
-    cases: int = Field(default=4, ge=1)
-    """Failures shown to the proposer per round."""
-    seed: int = 0
-    """Base of the per-pair sampling seeds."""
+def split_held_out(tasks: list[Task], share: float, seed: int = 0) -> tuple[list[Task], list[Task]]:
+    """(train, held-out): the tasks of split "eval" held out when there are any, else a
+    seeded `share` of them (at least one task each side; ValueError for fewer than 2)."""
+    held = [t for t in tasks if t.split == "eval"]
+    if held:
+        return [t for t in tasks if t.split != "eval"], held
+    if len(tasks) < 2:
+        raise ValueError("optimize needs at least 2 tasks: some to search on, some held out")
+    order = list(tasks)
+    random.Random(seed).shuffle(order)
+    k = min(max(1, round(share * len(order))), len(order) - 1)
+    return order[k:], order[:k]
 
 
 def pareto(versions: list[int], solved: dict[int, set[str]]) -> list[int]:
@@ -138,7 +128,7 @@ class Optimizer:
             solved = {v: arm.solved() for v, arm in self.arms.items()}
             archive = pareto(sorted({*archive, *(v for v, _, _ in judged)}), solved)
             parent, best = best, max(archive, key=lambda v: len(solved[v]))
-            prompt = proposer_prompt(evidence) if isinstance(self.proposer, LlmProposer) else ""
+            prompt = self.proposer.shown
             done = OptimizationRound(
                 index=index, parent=parent, archive=archive, best=best, proposer_prompt=prompt,
                 candidates=[

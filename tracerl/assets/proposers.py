@@ -97,6 +97,22 @@ class Evidence(_Record):
     successes: list[Example]
     """Successful attempts, the failed tasks' first (worked examples)."""
 
+    def trimmed(self) -> Evidence | None:
+        """Less of it, for a model whose context it overflows: half the cases, then (one
+        case left) transcripts half as long; None when nothing is left to cut."""
+        if len(self.cases) > 1:
+            return self.model_copy(update={"cases": self.cases[: len(self.cases) // 2]})
+        case = self.cases[0] if self.cases else None
+        if case is None or len(case.failed.transcript) <= 100:
+            return None
+        halved = Case(failed=_halved(case.failed),
+                      succeeded=_halved(case.succeeded) if case.succeeded else None)  # fmt: skip
+        return self.model_copy(update={"cases": [halved]})
+
+
+def _halved(e: Example) -> Example:
+    return e.model_copy(update={"transcript": "..." + e.transcript[-(len(e.transcript) // 2) :]})
+
 
 class Proposal(_Record):
     """A candidate text and where it came from."""
@@ -116,6 +132,8 @@ class Proposer(Protocol):
 
     name: str
     """"llm:<model>" or "bootstrap"."""
+    shown: str
+    """What it was last shown (the LLM proposer's user message; "" for bootstrap)."""
 
     def propose(self, evidence: Evidence, n: int, label: str) -> list[Proposal]:
         """The candidates (`label` names the round in what is recorded)."""
@@ -172,6 +190,7 @@ class BootstrapProposer:
     """Candidates that add worked examples from successful traces (no model calls)."""
 
     name = "bootstrap"
+    shown = ""
 
     def __init__(self, examples: int = 3, seed: int = 0) -> None:
         self.examples, self.seed = examples, seed
@@ -271,12 +290,12 @@ class LlmProposer:
         self.api_key, self.temperature, self.max_tokens = api_key, temperature, max_tokens
         self.served, self.withhold, self.timeout_s = served, withhold or {}, timeout_s
         self.name = f"llm:{model}"
+        self.shown = ""
 
     def propose(self, evidence: Evidence, n: int, label: str) -> list[Proposal]:
-        """n calls with distinct seeds; replies without text are skipped."""
+        """n calls with distinct seeds; replies without text are skipped. Evidence that
+        overflows the model's context is cut (Evidence.trimmed) until it fits."""
         rollout = _open_rollout(self.store, label, self.withhold)
-        messages = [{"role": "system", "content": SYSTEM},
-                    {"role": "user", "content": proposer_prompt(evidence)}]  # fmt: skip
         url = f"{self.base_url}/rollouts/{rollout.id}/v1" if self.served else self.base_url
         out: list[Proposal] = []
         answered = RolloutStatus.failed
@@ -285,7 +304,7 @@ class LlmProposer:
                 for i in range(n):
                     # Each call may take a while on a CPU: the lease covers the next one.
                     self.store.heartbeat(rollout.id, rollout.attempt, self.timeout_s + 60)
-                    reply = self._call(http, url, messages, i, rollout)
+                    reply, evidence = self._fitted(http, url, evidence, i, rollout)
                     text = parse_candidate(reply)
                     if text:
                         note = f"{self.name}: candidate {i + 1} of {label}"
@@ -298,6 +317,25 @@ class LlmProposer:
             )
         return _distinct(out)
 
+    def _fitted(
+        self, http: httpx.Client, url: str, evidence: Evidence, i: int, rollout: Rollout
+    ) -> tuple[str, Evidence]:
+        """The reply to the evidence, cut until the model's context holds it; and what was
+        shown."""
+        while True:
+            self.shown = proposer_prompt(evidence)
+            messages = [{"role": "system", "content": SYSTEM},
+                        {"role": "user", "content": self.shown}]  # fmt: skip
+            try:
+                return self._call(http, url, messages, i, rollout), evidence
+            except _TooLong:
+                smaller = evidence.trimmed()
+                if smaller is None:
+                    raise RuntimeError(
+                        f"proposer {self.name}: even one short case overflows its context"
+                    ) from None
+                evidence = smaller
+
     def _call(
         self, http: httpx.Client, url: str, messages: list[dict], i: int, rollout: Rollout
     ) -> str:
@@ -308,6 +346,8 @@ class LlmProposer:
             f"{url}/chat/completions", json=body,
             headers={"authorization": f"Bearer {self.api_key}"},
         )  # fmt: skip
+        if resp.status_code == 400 and _overflows(resp):
+            raise _TooLong
         if resp.status_code >= 400:
             raise RuntimeError(
                 f"proposer {self.name} at {url}: HTTP {resp.status_code}: {resp.text[:500]}"
@@ -327,6 +367,17 @@ class LlmProposer:
             finish_reason=finish, temperature=self.temperature, latency_s=latency,
         )  # fmt: skip
         self.store.append_spans([span])
+
+
+class _TooLong(Exception):
+    """The proposer's prompt did not fit its model's context."""
+
+
+def _overflows(resp: httpx.Response) -> bool:
+    """Whether a 400 says the prompt is longer than the model's context (tracerl's and
+    OpenAI's code, or the usual wording of other servers)."""
+    text = resp.text.lower()
+    return "context_length_exceeded" in text or "maximum context length" in text
 
 
 PROPOSER_SPLIT = "proposer"
