@@ -262,3 +262,94 @@ def test_the_page_and_its_files_are_served(client: TestClient) -> None:
     assert page.status_code == 200 and "uPlot.iife.min.js" in page.text
     for name in ("app.js", "style.css", "uPlot.iife.min.js", "uPlot.min.css"):
         assert client.get(f"/static/{name}").status_code == 200
+
+
+# -- assets -------------------------------------------------------------------------------
+
+
+def _asset_run(root: Path) -> None:
+    """runs/assets: a store only (as `tracerl assets` leaves it), with versions, a
+    comparison, an optimization, and rollouts that ran with, without and beside the asset."""
+    from tracerl.assets.records import Comparison, Optimization, Pair
+    from tracerl.types import RolloutStatus, Span, Task
+
+    (root / "assets").mkdir(parents=True)
+    s = SqliteStore(root / "assets" / "traces.db")
+    s.put_asset("rules", "Answer with twice n.\nBe brief.", note="by hand")
+    s.put_asset("rules", "Answer with twice n. ODD TOO.", note="llm:x", candidate=True)
+    s.put_asset("rules", "Answer with twice n. ODD TOO.", note="accepted")
+    s.put_asset("style", "Be kind.")
+    s.add_tasks([Task(id="t", input={"n": 1})])
+
+    def run(group: str, assets: dict[str, int] | None, seen: dict[str, int], reward: float) -> str:
+        (r,) = s.enqueue(["t"], group, assets=assets)
+        s.claim("r")
+        span = Span(id=f"{r.id}-0", rollout_id=r.id, attempt=1, seq=0, role="policy",
+                    policy_version=0, prompt_ids=[1], completion_ids=[2], logprobs=[-0.1],
+                    assets=seen)  # fmt: skip
+        s.add_spans([span])
+        s.finish(r.id, 1, RolloutStatus.succeeded, answer="2", reward=reward)
+        return r.id
+
+    on = [run("train1/step0/0-t", {"rules": 1}, {"rules": 1}, 1.0) for _ in range(3)]
+    off = run("train1/step1/0-t", {"rules": 0}, {}, 0.0)
+    arm = run("assets/rules@3/ab", {"rules": 3}, {"rules": 3, "style": 1}, 1.0)
+    run("other/x", None, {"style": 1}, 1.0)  # another asset's rollout: not rules'
+    pairs = [
+        Pair(task_id="t", repeat=0, a=False, b=True, rollout_a=off, rollout_b=arm),
+        Pair(task_id="t", repeat=1, a=True, b=False, rollout_a=on[0], rollout_b=off),
+        Pair(task_id="t", repeat=2, a=True, b=True, rollout_a=on[1], rollout_b=on[2]),
+    ]
+    s.add_comparison(Comparison(
+        id="c1", name="rules", a=1, b=2, pairs=pairs, success_a=2 / 3, success_b=2 / 3,
+        repairs=1, regressions=1, p_value=1.0, purpose="train", optimization="o1",
+    ))  # fmt: skip
+    s.put_optimization(Optimization(id="o1", name="rules", seed=1, proposer="llm:x",
+                                    status="accepted", best=2, accepted=3))  # fmt: skip
+    s.close()
+
+
+def test_asset_pages_show_versions_comparisons_optimizations_and_use(tmp_path: Path) -> None:
+    root = tmp_path / "runs"
+    _asset_run(root)
+    client = TestClient(create_app(root, admin_key=""), client=LOOPBACK)
+    assert [r["name"] for r in get(client, "/api/runs")["runs"]] == ["assets"]  # a store only
+    listed = get(client, "/api/runs/assets/assets")["assets"]
+    assert [(a["name"], a["current"], a["versions"], a["candidates"]) for a in listed] == [
+        ("rules", 3, 3, 1), ("style", 1, 1, 0),
+    ]  # fmt: skip
+    assert listed[0]["first_line"] == "Answer with twice n. ODD TOO."
+    page = get(client, "/api/runs/assets/assets/rules")
+    assert [(v["version"], v["candidate"], v["note"]) for v in page["versions"]] == [
+        (1, False, "by hand"), (2, True, "llm:x"), (3, False, "accepted"),
+    ]  # fmt: skip
+    (row,) = page["comparisons"]
+    assert row["pairs"] == 3 and len(row["comparison"]["pairs"]) == 2  # only the ones that moved
+    assert (row["comparison"]["repairs"], row["comparison"]["regressions"]) == (1, 1)
+    assert [o["status"] for o in page["optimizations"]] == ["accepted"]
+    use = {(u["version"], u["source"]): (u["rollouts"], u["success"]) for u in page["use"]}
+    assert use == {(0, "train1"): (1, 0.0), (1, "train1"): (3, 1.0), (3, "assets"): (1, 1.0)}
+
+
+def test_asset_requests_refused_or_empty_as_json(tmp_path: Path) -> None:
+    root = tmp_path / "runs"
+    _asset_run(root)
+    (root / "bare").mkdir()
+    (root / "bare" / "config.json").write_text("{}")
+    old = root / "old"  # a store written before assets existed
+    old.mkdir()
+    import sqlite3
+
+    sqlite3.connect(old / "traces.db").execute("CREATE TABLE tasks (id TEXT)").connection.close()
+    client = TestClient(create_app(root, admin_key=""), client=LOOPBACK)
+    for path, status, says in [
+        ("/api/runs/assets/assets/nope", 404, "no asset 'nope'"),
+        ("/api/runs/assets/assets/bad%20name", 400, "not an asset name"),
+        ("/api/runs/bare/assets", 404, "no traces.db"),
+        ("/api/runs/missing/assets", 404, "no run"),
+        ("/api/runs/old/assets/rules", 404, "no asset"),
+    ]:
+        r = client.get(path)
+        assert r.status_code == status, (path, r.text)
+        assert says in r.json()["error"]["message"]
+    assert get(client, "/api/runs/old/assets") == {"assets": []}

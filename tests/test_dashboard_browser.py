@@ -125,3 +125,28 @@ def test_the_page_follows_a_live_run_and_pauses_it(
         browser.close()
     assert summary.steps == len(at_pause) < 40
     print(f"\nscreenshots: {artifacts}")
+
+
+def test_the_asset_panel_shows_versions_comparisons_and_links_to_traces(tmp_path: Path) -> None:
+    _browser_or_skip()
+    from playwright.sync_api import expect, sync_playwright
+
+    from .test_dashboard import _asset_run
+
+    root = tmp_path / "runs"
+    _asset_run(root)
+    with serving(create_app(root, admin_key="")) as url, sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=CHROMIUM)
+        page = browser.new_page(viewport={"width": 1400, "height": 1100})
+        page.goto(f"{url}/?run=assets")
+        page.locator("#assets tbody tr", has_text="rules").click()
+        body = page.locator("#asset-body")
+        expect(body).to_contain_text("candidate", timeout=20_000)
+        expect(body).to_contain_text("v1 vs v2")
+        expect(body).to_contain_text("withheld")
+        page.locator("#asset-body tr", has_text="v1 vs v2").click()
+        expect(body).to_contain_text("regression")
+        body.locator("a.trace-link").first.click()
+        expect(page.locator("#trace-panel")).to_be_visible()
+        expect(page.locator("#trace-a")).to_contain_text("reward")
+        browser.close()

@@ -26,6 +26,7 @@ from pydantic import BaseModel, ConfigDict, Field, JsonValue
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from tracerl.algorithms.config import AlgorithmConfig
+from tracerl.dashboard.assets import install_asset_routes
 from tracerl.dashboard.config import is_loopback
 from tracerl.dashboard.queries import Health, Page, RolloutFilter, RunStore
 from tracerl.dashboard.runs import MetricsChunk, Runs, RunStatus, RunSummary
@@ -100,6 +101,7 @@ def create_app(runs_root: str | Path, admin_key: str | None = None) -> FastAPI:
     _run_routes(app, runs)
     _rollout_routes(app, runs)
     _control_routes(app, runs, key)
+    install_asset_routes(app, lambda run: _store(runs, run).path, ApiError)
     return app
 
 

@@ -92,12 +92,14 @@ class Runs:
         self._lock = threading.Lock()
 
     def names(self) -> list[str]:
-        """Run folders (those with a config or metrics), newest first."""
+        """Run folders (those with a config, metrics or a store: `tracerl assets` keeps its
+        store in one), newest first."""
         if not self.root.is_dir():
             return []
+        marks = ("config.json", "metrics.jsonl", "traces.db")
         found = [
             p for p in self.root.iterdir()
-            if _NAME.match(p.name) and ((p / "config.json").exists() or (p / "metrics.jsonl").exists())
+            if _NAME.match(p.name) and any((p / m).exists() for m in marks)
         ]  # fmt: skip
         return [p.name for p in sorted(found, key=_mtime, reverse=True)]
 

@@ -20,7 +20,7 @@ const PAGE = 50;
 
 const state = {
   run: null, compare: "", metrics: {}, charts: {}, offset: 0, selected: null,
-  traces: {}, adminKey: sessionStorage.getItem("tracerl-admin-key") || "",
+  traces: {}, asset: null, adminKey: sessionStorage.getItem("tracerl-admin-key") || "",
 };
 
 // ---------------------------------------------------------------- helpers
@@ -74,6 +74,9 @@ function selectRun(run) {
   state.offset = 0;
   state.selected = null;
   $("#trace-panel").hidden = true;
+  $("#asset-panel").hidden = true;
+  state.asset = null;
+  refreshAssets();
   history.replaceState(null, "", `?run=${encodeURIComponent(run)}`);
   $("#run").value = run;
   resetCharts();
@@ -221,6 +224,60 @@ async function refreshRollouts() {
   }));
 }
 
+// ---------------------------------------------------------------- assets
+// An asset's versions, its comparisons (the pairs that moved link to both traces), its
+// optimizations, and the rollouts that ran with each version. Loaded when opened: the use
+// table reads every span of the run's store.
+
+async function refreshAssets() {
+  let list;
+  try { list = await api(`${runPath(state.run)}/assets`); } catch { list = { assets: [] }; }
+  $("#assets tbody").replaceChildren(...(list.assets.length ? list.assets.map((a) => h("tr", {
+    class: "clickable" + (a.name === state.asset ? " selected" : ""), onclick: () => openAsset(a.name),
+  }, h("td", {}, a.name), h("td", {}, a.current === null ? "–" : `v${a.current}`),
+     h("td", {}, a.candidates ? `${a.versions} (${a.candidates} candidates)` : a.versions),
+     h("td", { class: "answer", title: a.first_line }, a.first_line))) : [h("tr", {}, h("td", { class: "dim" }, "none"))]));
+}
+
+const grid = (head, rows) => h("table", {}, h("thead", {}, h("tr", {}, ...head.map((c) => h("th", {}, c)))), h("tbody", {}, ...rows));
+const pct = (x) => (x === null || x === undefined ? "–" : `${(100 * x).toFixed(1)}%`);
+const traceLink = (id) => h("a", { class: "trace-link", onclick: () => openTrace(id) }, id);
+
+async function openAsset(name) {
+  state.asset = name;
+  const page = await api(`${runPath(state.run)}/assets/${encodeURIComponent(name)}`);
+  $("#asset-panel").hidden = false;
+  $("#asset-name").textContent = name;
+  const text = h("pre", {}, page.versions[page.versions.length - 1].text);
+  const versions = grid(["version", "kind", "note", "first line"], page.versions.map((v) => h("tr", {
+    class: "clickable", onclick: () => { text.textContent = v.text; },
+  }, h("td", {}, `v${v.version}`), h("td", {}, v.candidate ? "candidate" : ""), h("td", {}, v.note),
+     h("td", { class: "answer" }, v.text.split("\n")[0]))));
+  const moved = h("div", {});
+  const comparisons = grid(["A vs B", "why", "pairs", "success A → B", "repairs", "regressions", "p", "test"],
+    page.comparisons.map(({ comparison: c, pairs }) => h("tr", { class: "clickable", onclick: () => showMoved(moved, c) },
+      h("td", {}, `v${c.a} vs v${c.b}`), h("td", {}, c.purpose), h("td", {}, pairs),
+      h("td", {}, `${pct(c.success_a)} → ${pct(c.success_b)}`), h("td", {}, c.repairs), h("td", {}, c.regressions),
+      h("td", {}, fmt(c.p_value)), h("td", {}, c.test))));
+  const optimizations = grid(["optimization", "status", "proposer", "seed", "rounds", "best", "accepted", "held-out p"],
+    page.optimizations.map((o) => h("tr", {}, h("td", {}, o.id), h("td", {}, o.status), h("td", {}, o.proposer),
+      h("td", {}, `v${o.seed}`), h("td", {}, o.rounds.length), h("td", {}, o.best ? `v${o.best}` : "–"),
+      h("td", {}, o.accepted ? `v${o.accepted}` : "–"), h("td", {}, fmt(o.p_value)))));
+  const use = grid(["version", "source", "rollouts", "success", "mean reward"], page.use.map((u) => h("tr", {},
+    h("td", {}, u.version ? `v${u.version}` : "withheld"), h("td", {}, u.source), h("td", {}, u.rollouts),
+    h("td", {}, pct(u.success)), h("td", {}, fmt(u.mean_reward)))));
+  $("#asset-body").replaceChildren(h("h3", {}, "Versions (click one for its text)"), versions, text,
+    h("h3", {}, "Comparisons (click one for the pairs that moved)"), comparisons, moved,
+    h("h3", {}, "Optimizations"), optimizations, h("h3", {}, "Rollouts by version"), use);
+  refreshAssets();
+}
+
+function showMoved(el, c) {
+  el.replaceChildren(grid(["task", "repeat", "moved", `A (v${c.a})`, `B (v${c.b})`], c.pairs.map((p) => h("tr", {},
+    h("td", {}, p.task_id), h("td", {}, p.repeat), h("td", {}, p.b ? "repair" : "regression"),
+    h("td", {}, traceLink(p.rollout_a)), h("td", {}, traceLink(p.rollout_b))))));
+}
+
 // ---------------------------------------------------------------- trace view
 
 async function openTrace(id) {
@@ -311,7 +368,8 @@ async function tick() {
       $("#run-step").textContent = rows.length ? `step ${rows[rows.length - 1].step}` : "";
     });
     await Promise.all([metrics, refreshStatus(), refreshHealth(),
-      table ? refreshRollouts() : null, ticks % 5 === 4 ? refreshRuns() : null]);
+      table ? refreshRollouts() : null, ticks % 5 === 4 ? refreshRuns() : null,
+      ticks % 10 === 9 ? refreshAssets() : null]);
     document.body.dataset.ready = "1";
   } catch (e) {
     $("#control-msg").className = "msg";
@@ -339,6 +397,7 @@ function wire() {
   $("#next").addEventListener("click", () => { state.offset += PAGE; refreshRollouts(); });
   $("#colour").addEventListener("change", renderTraces);
   $("#sibling").addEventListener("change", renderTraces);
+  $("#asset-close").addEventListener("click", () => { $("#asset-panel").hidden = true; state.asset = null; refreshAssets(); });
 }
 
 async function main() {
