@@ -129,3 +129,28 @@ def test_prefix_bench_recorded_rollouts_share_the_framework_prompt(
     assert report.prefix_tokens > 1000
     assert report.tokens_on < report.tokens_off
     assert report.max_rel_grad_diff < 1e-4 and report.max_abs_logp_diff < 1e-4
+
+
+@pytest.mark.slow
+def test_assets_bench_runs_end_to_end_on_a_tiny_model(tiny_model_dir: Path, tmp_path: Path) -> None:
+    """bench/assets.py's stages on the tiny model (its numbers mean nothing there): the
+    last line is the JSON report, and the runs carried and withheld the asset as told."""
+    import json
+    import os
+    import subprocess
+
+    args = [
+        sys.executable, str(ROOT / "bench" / "assets.py"), "--model", str(tiny_model_dir),
+        "--lr", "3e-4", "--steps", "2", "--train_tasks", "8", "--eval_tasks", "8",
+        "--rounds", "1", "--candidates", "2", "--tasks_per_step", "2", "--group_size", "2",
+        "--concurrency", "4", "--runs", str(tmp_path / "runs"),
+    ]  # fmt: skip
+    out = subprocess.run(args, capture_output=True, text=True, timeout=600, env=os.environ)
+    assert out.returncode == 0, out.stderr[-3000:]
+    report = json.loads(out.stdout.strip().splitlines()[-1])
+    keys = {"success_none", "success_seed", "success_optimized", "repairs", "regressions",
+            "p_value", "rounds", "proposer", "success_internalized_zero_shot",
+            "success_rl_no_curriculum"}  # fmt: skip
+    assert keys <= set(report) and report["proposer"] == "llm:policy" and report["rounds"] == 1
+    metrics = (tmp_path / "runs" / "internalized" / "metrics.jsonl").read_text()
+    assert '"assets/carried": 1.0' in metrics and '"assets/carried": 0.0' in metrics

@@ -98,16 +98,21 @@ class Evidence(_Record):
     """Successful attempts, the failed tasks' first (worked examples)."""
 
     def trimmed(self) -> Evidence | None:
-        """Less of it, for a model whose context it overflows: half the cases, then (one
-        case left) transcripts half as long; None when nothing is left to cut."""
+        """Less of it, for a model whose context it overflows: half the cases; one case
+        left, transcripts half as long (down to 100 characters); then the case without its
+        success; then no case at all (the text alone). None when nothing is left to cut."""
         if len(self.cases) > 1:
             return self.model_copy(update={"cases": self.cases[: len(self.cases) // 2]})
-        case = self.cases[0] if self.cases else None
-        if case is None or len(case.failed.transcript) <= 100:
+        if not self.cases:
             return None
-        halved = Case(failed=_halved(case.failed),
-                      succeeded=_halved(case.succeeded) if case.succeeded else None)  # fmt: skip
-        return self.model_copy(update={"cases": [halved]})
+        case = self.cases[0]
+        if len(case.failed.transcript) > 100:
+            halved = Case(failed=_halved(case.failed),
+                          succeeded=_halved(case.succeeded) if case.succeeded else None)  # fmt: skip
+            return self.model_copy(update={"cases": [halved]})
+        if case.succeeded is not None:
+            return self.model_copy(update={"cases": [Case(failed=case.failed, succeeded=None)]})
+        return self.model_copy(update={"cases": []})
 
 
 def _halved(e: Example) -> Example:
@@ -332,7 +337,7 @@ class LlmProposer:
                 smaller = evidence.trimmed()
                 if smaller is None:
                     raise RuntimeError(
-                        f"proposer {self.name}: even one short case overflows its context"
+                        f"proposer {self.name}: the text alone overflows its context"
                     ) from None
                 evidence = smaller
 
