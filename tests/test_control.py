@@ -21,7 +21,7 @@ from tracerl.cli import main as cli
 from tracerl.examples import example_module
 from tracerl.pipeline.checkpoints import read_ledger
 from tracerl.pipeline.config import GuardConfig, PipelineConfig, TrainConfig
-from tracerl.pipeline.control import Control, set_lr
+from tracerl.pipeline.control import Control
 from tracerl.pipeline.control_files import (
     parse_setting,
     read_applied,
@@ -33,6 +33,8 @@ from tracerl.pipeline.control_files import (
 from tracerl.pipeline.run import TrainSummary, train
 from tracerl.store.sqlite import SqliteStore
 from tracerl.trainer.config import TrainerConfig
+from tracerl.trainer.lead import Leader
+from tracerl.trainer.trainer import Trainer
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -67,12 +69,22 @@ def test_send_refuses_bad_commands_before_writing(tmp_path: Path) -> None:
     assert [c.id for c in read_commands(tmp_path)] == [cmd.id]
 
 
+class _Trainer:
+    """What Control touches of a trainer: a real optimizer, and Trainer's own schedule code
+    (4 warmup steps, then constant)."""
+
+    set_lr = Trainer.set_lr
+    _lr_factor = Trainer._lr_factor
+
+    def __init__(self, lr: float) -> None:
+        self.cfg = TrainerConfig(lr=lr, warmup_steps=4, schedule="constant")
+        self.optimizer = torch.optim.AdamW(torch.nn.Linear(2, 2).parameters(), lr=lr)
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, self._lr_factor)
+
+
 def _fake_pipeline(step: int, lr: float = 1e-3) -> Any:
     """What Control touches of a pipeline, with a real optimizer and schedule."""
-    model = torch.nn.Linear(2, 2)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=lr)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 0.5)
-    trainer = SimpleNamespace(cfg=TrainerConfig(lr=lr), optimizer=optimizer, scheduler=scheduler)
+    trainer = _Trainer(lr)
     source = SimpleNamespace(paused=[], pause=lambda p: source.paused.append(p))
     checkpoints = SimpleNamespace(latest=lambda: None)
     return SimpleNamespace(step=step, policies=[SimpleNamespace(trainer=trainer)],
@@ -82,12 +94,14 @@ def _fake_pipeline(step: int, lr: float = 1e-3) -> Any:
 def test_set_lr_changes_the_base_and_keeps_the_schedules_factor() -> None:
     p = _fake_pipeline(0)
     trainer = p.policies[0].trainer
-    set_lr(trainer, 4e-3)
-    assert trainer.scheduler.base_lrs == [4e-3]
-    assert trainer.optimizer.param_groups[0]["lr"] == pytest.approx(2e-3)  # x the factor 0.5
+    trainer.optimizer.step()
+    trainer.scheduler.step()  # step 1 of the warmup: factor 2/4
+    trainer.set_lr(4e-3)
+    assert trainer.scheduler.base_lrs == [4e-3] and trainer.cfg.lr == 4e-3
+    assert trainer.optimizer.param_groups[0]["lr"] == pytest.approx(2e-3)  # x the factor
     trainer.optimizer.step()
     trainer.scheduler.step()
-    assert trainer.scheduler.get_last_lr()[0] == pytest.approx(2e-3)
+    assert trainer.scheduler.get_last_lr()[0] == pytest.approx(3e-3)  # factor 3/4
 
 
 def test_applied_sets_are_replayed_on_resume_and_commands_never_twice(tmp_path: Path) -> None:
@@ -132,6 +146,29 @@ def test_a_refused_set_is_answered_with_its_reason(tmp_path: Path) -> None:
     control.between_steps()
     (answer,) = read_applied(tmp_path)
     assert not answer.ok and "group_size" in (answer.error or "")
+
+
+def test_a_data_parallel_run_refuses_a_learning_rate_change_when_it_arrives(
+    tmp_path: Path,
+) -> None:
+    """Its ranks take no optimizer change mid-run: the command is answered with the reason
+    (what `tracerl ctl` and the dashboard show), and the run goes on."""
+    cfg = TrainConfig()
+    (tmp_path / "config.json").write_text(cfg.model_dump_json())
+    pipeline = _fake_pipeline(step=2)
+    leader = Leader.__new__(Leader)  # rank 0's handle, without a process group
+    leader.trainer = pipeline.policies[0].trainer
+    pipeline.policies = [SimpleNamespace(trainer=leader)]
+    pipeline.cfg = PipelineConfig()
+    control = Control(tmp_path, cfg, pipeline)
+    send(tmp_path, "set", "trainer.lr", 5e-3)
+    send(tmp_path, "checkpoint")
+    assert control.between_steps() is True
+    lr, checkpoint = read_applied(tmp_path)
+    assert not lr.ok and "data-parallel" in (lr.error or "")
+    assert checkpoint.ok
+    assert leader.trainer.scheduler.base_lrs == [1e-3]  # type: ignore[attr-defined]
+    assert control.cfg.trainer.lr == cfg.trainer.lr
 
 
 def test_hand_edited_bad_lines_never_stop_the_loop(tmp_path: Path) -> None:

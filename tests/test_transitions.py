@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from tracerl.algorithms.transitions import spans_to_transitions
-from tracerl.types import Span
+from tracerl.types import Span, Transition
 
 
 def span(
@@ -148,3 +148,14 @@ def test_spans_of_two_rollouts_are_refused() -> None:
             task_id="t",
         )
     assert spans_to_transitions([], 1.0, group_id="g", task_id="t") == []
+
+
+def test_greedy_calls_make_rows_at_the_temperature_their_logprobs_were_taken_at() -> None:
+    # The engine records a greedy call (T = 0) at T = 1: its row says 1, never 0, and it
+    # merges with a T = 1 call that extends it.
+    greedy = span(0, [1, 2], [10], temperature=0.0)
+    sampled = span(1, [1, 2, 10, 3], [11], temperature=1.0)
+    (row,) = spans_to_transitions([greedy, sampled], 1.0, group_id="g", task_id="t")
+    assert row.temperature == 1.0 and row.num_spans == 2
+    with pytest.raises(ValueError, match="greater than 0"):
+        Transition.model_validate(row.model_dump() | {"temperature": 0.0})

@@ -28,6 +28,7 @@ __all__ = [
     "Span",
     "Task",
     "Transition",
+    "effective_temperature",
 ]
 
 
@@ -168,7 +169,8 @@ class Span(_Record):
     finish_reason: str = "stop"
     """'stop' (end token or stop string), 'length' (max_tokens) or 'tool_calls'."""
     temperature: float = 1.0
-    """Sampling temperature the log-probs were taken at."""
+    """Sampling temperature asked for (0: greedy). The log-probs were taken at
+    `effective_temperature` of it: 1 for a greedy call."""
     prefix_reused: int = Field(default=0, ge=0, lt=2**31)
     """How many leading prompt ids were taken verbatim from the previous call of this
     rollout and role (token-in/token-out); 0 for a first call or after a prefix break."""
@@ -271,6 +273,14 @@ class PolicyVersion(_Record):
     """When it was published."""
 
 
+def effective_temperature(temperature: float) -> float:
+    """The temperature a completion's log-probs are taken at: the sampling one, or 1 for a
+    greedy request (T = 0), whose tokens were picked by argmax. The one definition: engines
+    record log-probs at it (tracerl.engines.scoring) and rows carry it to the trainer
+    (tracerl.algorithms.transitions), so neither side ever divides logits by 0."""
+    return temperature if temperature > 0 else 1.0
+
+
 class SamplingParams(_Record):
     """How an engine should sample one completion."""
 
@@ -337,9 +347,10 @@ class Transition(_Record):
     weight: float = 1.0
     """Loss weight of each sampled token of this row; the algorithm's per-rollout
     normalisation writes it (see tracerl.algorithms.advantages)."""
-    temperature: float = 1.0
-    """Sampling temperature of the row's spans; the trainer takes log-probs at it so the
-    importance ratio compares like with like."""
+    temperature: float = Field(default=1.0, gt=0)
+    """The temperature the row's behaviour log-probs were taken at (`effective_temperature`
+    of its spans': 1 for greedy ones); the trainer takes log-probs at it so the importance
+    ratio compares like with like."""
 
     @model_validator(mode="after")
     def _aligned(self) -> Transition:

@@ -12,6 +12,10 @@ role's rows; a per-step reward (keyed by span seq) is added to the return of the
 holds that span only (undiscounted, not propagated to other rows). With prefix merging a
 role's conversation is usually one row, so step rewards then just add to its total return.
 
+A row carries the temperature its log-probs were taken at, `effective_temperature` of its
+calls': a greedy call (temperature 0, as evaluators often ask) was recorded at T = 1, so it
+merges with T = 1 calls and the trainer divides its logits by 1, never by 0.
+
 A span without tokens (a frozen role served by a remote OpenAI-compatible URL records text
 only) cannot be trained and makes no row.
 """
@@ -20,7 +24,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from tracerl.types import Span, Transition
+from tracerl.types import Span, Transition, effective_temperature
 
 __all__ = ["spans_to_transitions"]
 
@@ -31,6 +35,7 @@ class _Row:
 
     role: str
     temperature: float
+    """The temperature its log-probs were taken at (`effective_temperature`)."""
     input_ids: list[int] = field(default_factory=list)
     loss_mask: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
@@ -42,7 +47,7 @@ class _Row:
         """Whether the span's prompt starts with this row's whole sequence."""
         n = len(self.input_ids)
         return (
-            span.temperature == self.temperature
+            effective_temperature(span.temperature) == self.temperature
             and len(span.prompt_ids) >= n
             and span.prompt_ids[:n] == self.input_ids
         )
@@ -67,7 +72,7 @@ def _merge_role(spans: list[Span]) -> list[_Row]:
         # Latest open row first: the common case is a conversation that keeps growing.
         row = next((r for r in reversed(rows) if r.extends(span)), None)
         if row is None:
-            row = _Row(role=span.role, temperature=span.temperature)
+            row = _Row(role=span.role, temperature=effective_temperature(span.temperature))
             rows.append(row)
         row.append(span)
     return rows

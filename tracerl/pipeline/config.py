@@ -107,7 +107,8 @@ class GuardConfig(BaseModel):
     left are wrong content (0: off)."""
     rollback: bool = False
     """On a collapse (a train reward or held-out success drop), restore the best checkpoint
-    and multiply the learning rate by `lr_factor`."""
+    and multiply the learning rate by `lr_factor`. A data-parallel run (several trainer
+    ranks) cannot: it refuses to start with it on."""
     lr_factor: float = Field(default=0.5, gt=0, le=1)
     """Learning-rate multiplier applied at each rollback."""
     max_rollbacks: int = Field(default=2, ge=0)

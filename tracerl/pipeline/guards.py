@@ -312,16 +312,14 @@ def rollback(pipeline: Pipeline, best_step: int, lr_factor: float) -> float:
     checkpoint of the restored state replaces the collapsed one as the latest."""
     from tracerl.pipeline.step import local_trainer  # step imports this module
 
+    # Every trainer first: a run that cannot roll back refuses before any weight moves.
+    trainers = [local_trainer(p, "a rollback") for p in pipeline.policies]
     load_checkpoint_weights(pipeline, best_step)
     lr = 0.0
-    for p in pipeline.policies:
-        trainer = local_trainer(p)
-        optimizer, schedule = trainer.optimizer, trainer.scheduler
-        optimizer.state.clear()  # Adam's moments remember the direction that collapsed
-        schedule.base_lrs = [base * lr_factor for base in schedule.base_lrs]
-        for group, base in zip(optimizer.param_groups, schedule.base_lrs, strict=True):
-            group["lr"] = base * schedule.lr_lambdas[0](schedule.last_epoch)
-        lr = float(optimizer.param_groups[0]["lr"])
+    for trainer in trainers:
+        trainer.optimizer.state.clear()  # Adam's moments remember the direction that collapsed
+        trainer.set_lr(float(trainer.scheduler.base_lrs[0]) * lr_factor)
+        lr = float(trainer.optimizer.param_groups[0]["lr"])
     pipeline.save_checkpoint()
     log.warning("step %d: guard: rolled back to step %d, lr -> %.3g", pipeline.step, best_step, lr)
     return lr
@@ -335,6 +333,11 @@ class Guards:
         self.cfg, self.pipeline = cfg, pipeline
         self.detector = CollapseDetector(cfg)
         self.best = BestModel(run_dir)
+        if cfg.rollback:  # refused now, when the run starts, rather than at a collapse
+            from tracerl.pipeline.step import local_trainer  # step imports this module
+
+            for p in pipeline.policies:
+                local_trainer(p, "guard.rollback")
         self.rollbacks = 0
         self.last: list[str] = []
         """The warnings of the latest step and evaluation."""
