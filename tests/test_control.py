@@ -350,6 +350,27 @@ def test_ctl_mid_run_set_pause_resume_stop_then_resume(
     assert {n for step, n in group_sizes(run.dir) if step > asked} == {3}
 
 
+@pytest.mark.slow
+def test_an_async_run_with_a_constant_reward_and_dynamic_sampling_stops_with_a_message(
+    tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    """Regression: every group has equal reward (the random tiny model never answers right),
+    so dynamic sampling drops them all, and the async batch waited forever."""
+    cfg = run_config(tmp_path, tiny_model_dir, steps=3, name="flat")
+    cfg = cfg.model_copy(
+        update={
+            "pipeline": cfg.pipeline.model_copy(update={"mode": "async"}),
+            "curation": cfg.curation.model_copy(update={"dynamic_sampling": True}),
+        }
+    )
+    with background_run(cfg) as run:
+        summary = run.join(timeout=180)
+    (message,) = [w for w in summary.warnings if "no group to train on" in w]
+    assert message.startswith("step 1:") and "same reward" in message
+    assert summary.steps == 0 and summary.rollouts_trained == 0
+    assert (run.dir / "summary.json").exists()  # ended as a run does: evaluated, exported
+
+
 def group_sizes(run_dir: Path) -> list[tuple[int, int]]:
     """(logged step, rollouts) of each training group (a sync group id holds its step's
     index, the logged step - 1)."""
