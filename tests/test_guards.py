@@ -304,8 +304,16 @@ def test_rollback_rebuilds_the_schedule_at_its_step_with_the_lower_rate(
 
 
 def test_a_data_parallel_run_refuses_rollback_at_the_start_never_mid_step(
-    tmp_path: Path,
+    tiny_model_dir: Path, tmp_path: Path
 ) -> None:
+    from tracerl.pipeline.config import TrainConfig
+
+    run = {"model": str(tiny_model_dir), "agent": "a.py:run", "tasks": "t.jsonl"}
+    TrainConfig.model_validate(run | {"cluster": {"trainer_ranks": 2}}).check()
+    with pytest.raises(ValueError, match="data-parallel"):  # `tracerl train` says so first
+        TrainConfig.model_validate(
+            run | {"cluster": {"trainer_ranks": 2}, "guard": {"rollback": True}}
+        ).check()
     loads: list[str] = []
     pipeline = _pipeline(_fake_leader(loads), tmp_path)
     with pytest.raises(ValueError, match="data-parallel"):

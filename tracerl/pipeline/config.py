@@ -230,6 +230,12 @@ class TrainConfig(BaseModel):
                 raise ValueError(f"train needs --{field} (or `{field} = ...` in the config file)")
         check_local_models(self.policies(), bool(self.roles))
         top_model(self.model_name, self.roles, named=True)
+        if self.guard.rollback and self.cluster.trainer_ranks > 1:
+            raise ValueError(
+                "guard.rollback is not possible in a data-parallel run (cluster.trainer_ranks "
+                f"= {self.cluster.trainer_ranks}): its trainer ranks take no optimizer changes "
+                "mid-run; turn one of them off"
+            )
         unknown = sorted(set(self.algorithm.align) - set(self.roles or [self.model_name]))
         if unknown:
             raise ValueError(
