@@ -30,6 +30,7 @@ from tracerl.pipeline.control_files import (
     send,
     with_setting,
 )
+from tracerl.pipeline.guards import RewardFunctionFailed
 from tracerl.pipeline.run import TrainSummary, train
 from tracerl.store.sqlite import SqliteStore
 from tracerl.trainer.config import TrainerConfig
@@ -369,6 +370,32 @@ def test_an_async_run_with_a_constant_reward_and_dynamic_sampling_stops_with_a_m
     assert message.startswith("step 1:") and "same reward" in message
     assert summary.steps == 0 and summary.rollouts_trained == 0
     assert (run.dir / "summary.json").exists()  # ended as a run does: evaluated, exported
+
+
+def _broken_reward(task: dict, answer: str) -> float:
+    """A reward function with a bug."""
+    raise ValueError(f"cannot parse {answer!r}")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("preflight", [False, True], ids=["training", "preflight"])
+def test_a_crashing_reward_function_stops_the_run_with_its_traceback(
+    tiny_model_dir: Path, tmp_path: Path, preflight: bool
+) -> None:
+    """Stopped at the first step's batch, or by the pre-flight check (which said "the
+    reward was 0 on all rollouts")."""
+    cfg = run_config(tmp_path, tiny_model_dir, steps=3, name="broken")
+    guard = GuardConfig(preflight=preflight, preflight_tasks=2)
+    with pytest.raises(RewardFunctionFailed) as e:
+        train(cfg.model_copy(update={"guard": guard}), reward_fn=_broken_reward)
+    message = str(e.value)
+    assert "raised for 4 rollouts" in message  # 2 tasks x 2, a step's or the pre-flight's
+    assert "in _broken_reward" in message and "ValueError: cannot parse" in message
+    # Each is kept in the store, marked: no outcome, so never trained on as a reward of 0.
+    store = SqliteStore(Path(cfg.runs) / cfg.name / "traces.db")
+    rollouts = store.rollouts()
+    store.close()
+    assert len(rollouts) == 4 and all(r.reward_failed and not r.has_outcome for r in rollouts)
 
 
 def group_sizes(run_dir: Path) -> list[tuple[int, int]]:

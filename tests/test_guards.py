@@ -18,6 +18,7 @@ from tracerl.pipeline.guards import (
     BestModel,
     CollapseDetector,
     Guards,
+    RewardFunctionFailed,
     failures_with_tools,
     rollback,
 )
@@ -25,7 +26,7 @@ from tracerl.pipeline.preflight import check_start
 from tracerl.trainer.config import TrainerConfig
 from tracerl.trainer.lead import Leader
 from tracerl.trainer.trainer import Trainer
-from tracerl.types import Rollout, RolloutStatus, Span
+from tracerl.types import REWARD_ERROR, Rollout, RolloutStatus, Span
 
 STEADY = BatchStats(sampled_nll=0.8, completion_tokens=20.0, calls=2.0, mixed_groups=0.5)
 
@@ -171,6 +172,15 @@ def test_preflight_names_constant_rewards_errors_and_long_prompts() -> None:
     text = " ".join(report.warnings)
     assert report.mixed_groups == 0.0 and report.errors == 0.25
     assert "no variance" in text and "with an error" in text and "context" in text
+
+
+def test_preflight_rewards_leave_out_rollouts_whose_reward_function_raised() -> None:
+    raised = REWARD_ERROR + ":\nTraceback ...\nKeyError: 'x'"
+    rollouts = [_rollout(0, "a", 1.0), _rollout(1, "a", 1.0)]
+    rollouts += [_rollout(2, "a", 0.0).model_copy(update={"reward": None, "error": raised})]
+    report = check_start(rollouts, [], max_context=128, threshold=1.0)
+    assert report.mean_reward == 1.0 and report.mixed_groups == 0.0  # no reward of 0
+    assert report.errors == pytest.approx(1 / 3) and report.groups == 1
 
 
 def test_preflight_tells_wrong_content_from_a_skipped_tool() -> None:
@@ -323,3 +333,30 @@ def test_a_data_parallel_run_refuses_rollback_at_the_start_never_mid_step(
     with pytest.raises(ValueError, match="data-parallel"):
         rollback(pipeline, 1, 0.5)  # type: ignore[arg-type]
     assert loads == [] and pipeline.policies[0].engine.loaded == []
+
+
+def test_reward_function_errors_warn_then_stop_the_run_with_the_traceback(
+    tmp_path: Path,
+) -> None:
+    from tracerl.pipeline.sources import SourceStats
+    from tracerl.pipeline.step import StepReport
+    from tracerl.trainer.trainer import TrainMetrics
+
+    def report(step: int, errors: int, error: str | None) -> StepReport:
+        return StepReport(
+            step=step, reward=0.0, success=0.0, rollouts=4, rows=0, generate_s=0.0,
+            train=TrainMetrics.empty(), curation={},
+            source=SourceStats(reward_errors=errors, reward_error=error),
+        )  # fmt: skip
+
+    pipeline = SimpleNamespace(checkpoints=Checkpoints(tmp_path, keep=2), policies=[])
+    guards = Guards(GuardConfig(max_reward_errors=3), tmp_path, pipeline)  # type: ignore[arg-type]
+    assert guards.on_step(report(1, 0, None))["guard/reward_errors"] == 0
+    trace = (
+        "reward function raised:\nTraceback ...\n  File 'r.py', line 2, in reward\nKeyError: 'x'"
+    )
+    assert guards.on_step(report(2, 2, trace))["guard/reward_errors"] == 2
+    assert any("reward_error" in w and "KeyError: 'x'" in w for w in guards.warned)
+    with pytest.raises(RewardFunctionFailed, match="raised for 3 rollouts") as e:
+        guards.on_step(report(3, 1, trace.replace("KeyError: 'x'", "ValueError: y")))
+    assert "in reward\nValueError: y" in str(e.value)  # the latest traceback, shown whole

@@ -16,6 +16,7 @@ from pydantic import BaseModel, ConfigDict, Field, JsonValue, model_validator
 __all__ = [
     "FINISHED",
     "HAS_OUTCOME",
+    "REWARD_ERROR",
     "VALID_TRANSITIONS",
     "FinishedRollout",
     "Generation",
@@ -82,6 +83,12 @@ HAS_OUTCOME = frozenset({RolloutStatus.succeeded, RolloutStatus.failed})
 """Final states with an outcome to learn from: the agent answered (rightly or not). A
 timed-out rollout, or one whose attempts all expired, has none and is never trained on."""
 
+REWARD_ERROR = "reward function raised"
+"""How the error of a rollout whose reward function raised begins (its traceback follows).
+That is a bug of the user's reward code, not an outcome of the agent: such a rollout is
+finished `failed` without a reward, kept in the store, and never trained on. (An agent's own
+error starts with its exception's type name, so the two never read alike.)"""
+
 # The lifecycle as data: the store refuses any transition not listed here.
 # running -> queued happens when a runner's lease expires (it died or hung) and the
 # rollout still has attempts left; each new claim starts a new attempt.
@@ -132,6 +139,17 @@ class Rollout(_Record):
     """The final reward of the last attempt (also stored as a Reward record)."""
     error: str | None = None
     """Why it failed or timed out: an exception's text, 'lease expired', ..."""
+
+    @property
+    def reward_failed(self) -> bool:
+        """Whether its reward function raised (see REWARD_ERROR)."""
+        return self.error is not None and self.error.startswith(REWARD_ERROR)
+
+    @property
+    def has_outcome(self) -> bool:
+        """Whether it has an outcome to learn from: a state in HAS_OUTCOME, and a reward
+        function that did not raise."""
+        return self.status in HAS_OUTCOME and not self.reward_failed
 
 
 class Span(_Record):
@@ -235,8 +253,8 @@ class FinishedRollout(_Record):
 
     @property
     def has_outcome(self) -> bool:
-        """Whether it has an outcome to learn from (see HAS_OUTCOME)."""
-        return self.rollout.status in HAS_OUTCOME
+        """Whether it has an outcome to learn from (see Rollout.has_outcome)."""
+        return self.rollout.has_outcome
 
     def success(self, threshold: float) -> bool:
         """Whether it has an outcome and its final reward is at least `threshold`."""

@@ -218,7 +218,7 @@ class AsyncSource:
         fresh: list[tuple[FinishedRollout, int]] = []
         for r in rollouts:
             if r.id not in p.read:
-                p.read[r.id] = read_finished(self.store, r)
+                p.read[r.id] = self.stats.saw(read_finished(self.store, r))
             f = p.read[r.id]
             age = self._stale(f, current)
             if age <= self.max_staleness:

@@ -113,6 +113,10 @@ class GuardConfig(BaseModel):
     """Learning-rate multiplier applied at each rollback."""
     max_rollbacks: int = Field(default=2, ge=0)
     """Rollbacks at most per run; later collapses are only warned about."""
+    max_reward_errors: int = Field(default=3, ge=1)
+    """The run stops, showing the traceback, once this many rollouts' reward function
+    raised: a bug in the reward code, never a reward of 0 (each such rollout is kept in the
+    store, marked, and never trained on)."""
 
 
 class TrainConfig(BaseModel):

@@ -206,6 +206,7 @@ class _Run:
         report = preflight(
             self.stack.store, self.agents, self.train_tasks[: g.preflight_tasks],
             self.cfg.pipeline.group_size, engine.max_context, self.cfg.success_threshold,
+            max_reward_errors=g.max_reward_errors,
         )  # fmt: skip
         (self.run_dir / "preflight.json").write_text(report.model_dump_json(indent=2))
         self.guards.warned += [f"preflight: {w}" for w in report.warnings]

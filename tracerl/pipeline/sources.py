@@ -30,7 +30,7 @@ from tracerl.agents import AgentFn, RewardFn
 from tracerl.algorithms.curation import Curation
 from tracerl.runner import Runner, RunnerConfig
 from tracerl.store import Store
-from tracerl.types import HAS_OUTCOME, FinishedRollout, Group, Rollout, Task
+from tracerl.types import FinishedRollout, Group, Rollout, Task
 
 __all__ = [
     "Agents",
@@ -64,6 +64,17 @@ class SourceStats:
     """Groups issued and not yet trained or dropped, when the batch was taken."""
     utilisation: float | None = None
     """Share of runner slots busy since the source started (async only)."""
+    reward_errors: int = 0
+    """Rollouts read for this batch whose reward function raised (never trained on)."""
+    reward_error: str | None = None
+    """The latest such rollout's error: the reward function's traceback."""
+
+    def saw(self, f: FinishedRollout) -> FinishedRollout:
+        """Count a rollout read for the batch (its reward function's error, if any)."""
+        if f.rollout.reward_failed:
+            self.reward_errors += 1
+            self.reward_error = f.rollout.error
+        return f
 
 
 class NoBatch(Exception):
@@ -212,7 +223,7 @@ def issue_group(store: Store, gid: str, task: Task, size: int, max_attempts: int
 def read_finished(store: Store, rollout: Rollout) -> FinishedRollout:
     """The one read of a finished rollout: its last attempt's spans and rewards (none for a
     rollout without an outcome, which is never trained on)."""
-    if rollout.status not in HAS_OUTCOME:
+    if not rollout.has_outcome:
         return FinishedRollout(rollout=rollout)
     spans = store.spans(rollout.id, rollout.attempt)
     rewards = store.rewards(rollout.id, rollout.attempt)
@@ -254,7 +265,9 @@ class SyncSource:
         return [self._read(gid, task) for gid, task in ids]
 
     def _read(self, gid: str, task: Task) -> Group:
-        rollouts = [read_finished(self.store, r) for r in self.store.rollouts(group_id=gid)]
+        rollouts = [
+            self.stats.saw(read_finished(self.store, r)) for r in self.store.rollouts(group_id=gid)
+        ]
         return Group(id=gid, task=task, rollouts=rollouts)
 
     def batch(self, step: int) -> list[Group]:
