@@ -14,6 +14,7 @@ from enum import StrEnum
 from pydantic import BaseModel, ConfigDict, Field, JsonValue, model_validator
 
 __all__ = [
+    "ChoiceOf",
     "FINISHED",
     "HAS_OUTCOME",
     "REWARD_ERROR",
@@ -152,6 +153,18 @@ class Rollout(_Record):
         return self.status in HAS_OUTCOME and not self.reward_failed
 
 
+class ChoiceOf(_Record):
+    """Which of a call's n > 1 sampled choices a span holds (kept in span.response["choice"];
+    a call of one choice has none)."""
+
+    call: str
+    """The span id of the call's first choice: the same for all its choices."""
+    index: int = Field(ge=0)
+    """The choice's position among the call's choices."""
+    of: int = Field(ge=2)
+    """How many choices the call returned."""
+
+
 class Span(_Record):
     """One model call inside a rollout, recorded token by token by the gateway.
 
@@ -201,6 +214,12 @@ class Span(_Record):
     """Wall time from request to response inside the gateway."""
     created_at: float = Field(default_factory=time.time)
     """When the call finished."""
+
+    @property
+    def choice(self) -> ChoiceOf | None:
+        """Which of its call's n > 1 choices this span holds; None for a call of one."""
+        raw = self.response.get("choice")
+        return ChoiceOf.model_validate(raw) if raw is not None else None
 
 
 class Reward(_Record):

@@ -8,7 +8,9 @@ an attempt's spans are numbered in the order they commit, however many of its ca
 in flight; writes of different attempts run side by side.
 
 The response id names the spans: a completion `chatcmpl-<hex>` (or `cmpl-<hex>`) records
-its first choice as span `<hex>` and choice i > 0 as `<hex>-<i>`. Agents that nest (a
+its first choice as span `<hex>` and choice i > 0 as `<hex>-<i>`; with n > 1 each span's
+response also says which choice of the call it holds (types.ChoiceOf), so credit goes only
+to the choice the agent went on with (tracerl.algorithms.transitions). Agents that nest (a
 planner that runs an executor sub-agent) pass that id as the sub-agent's parent; it is
 stored as the sub-agent's spans' `parent_span_id`.
 """
@@ -32,6 +34,7 @@ from tracerl.gateway.tito import Prompt
 from tracerl.store import LeaseLost, NotFound, Store, StoreError
 from tracerl.types import (
     ENGINE_OUTAGE,
+    ChoiceOf,
     Reward,
     Rollout,
     RolloutStatus,
@@ -145,7 +148,7 @@ class SpanRecorder:
         """One span per choice of a call the engine served (token ids and log-probs)."""
 
         def spans(seq: int) -> list[Span]:
-            return [_span(rollout, call, c, seq + c.index) for c in choices]
+            return [_span(rollout, call, c, seq + c.index, len(choices)) for c in choices]
 
         await self._write(rollout, spans)
 
@@ -225,7 +228,7 @@ def _span_id(response_id: str) -> str:
     return response_id
 
 
-def _span(rollout: Rollout, call: Call, c: Choice, seq: int) -> Span:
+def _span(rollout: Rollout, call: Call, c: Choice, seq: int, n: int) -> Span:
     return Span.model_construct(
         id=call.span_id if c.index == 0 else f"{call.span_id}-{c.index}",
         rollout_id=rollout.id,
@@ -237,7 +240,7 @@ def _span(rollout: Rollout, call: Call, c: Choice, seq: int) -> Span:
         completion_ids=c.gen.completion_ids,
         logprobs=c.gen.logprobs,
         messages=call.messages,
-        response=_response(call, c),
+        response=_response(call, c, n),
         finish_reason=c.finish_reason,
         temperature=call.params.temperature,
         prefix_reused=call.prompt.reused,
@@ -248,13 +251,16 @@ def _span(rollout: Rollout, call: Call, c: Choice, seq: int) -> Span:
     )
 
 
-def _response(call: Call, c: Choice) -> dict[str, Any]:
+def _response(call: Call, c: Choice, n: int) -> dict[str, Any]:
     """The reply as the span keeps it; a constrained call also keeps its grammar, since its
-    log-probs are those of the grammar-masked distribution (engines.scoring re-applies it)."""
+    log-probs are those of the grammar-masked distribution (engines.scoring re-applies it),
+    and one of n > 1 choices which it is (types.ChoiceOf)."""
     response: dict[str, Any] = {
         "message": wire_message(c.reply, c.call_ids),
         "finish_reason": c.finish_reason,
     }
+    if n > 1:
+        response["choice"] = ChoiceOf(call=call.span_id, index=c.index, of=n).model_dump()
     grammar = getattr(call.params, "grammar", None)
     if grammar:
         response["constraint"] = {"grammar": grammar, "eos_token_ids": call.eos_token_ids}
