@@ -28,6 +28,7 @@ from tracerl.pipeline.control_files import (
     read_commands,
     read_state,
     send,
+    wait_applied,
     with_setting,
 )
 from tracerl.pipeline.guards import RewardFunctionFailed
@@ -36,6 +37,7 @@ from tracerl.store.sqlite import SqliteStore
 from tracerl.trainer.config import TrainerConfig
 from tracerl.trainer.lead import Leader
 from tracerl.trainer.trainer import Trainer
+from tracerl.types import RolloutStatus
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -370,6 +372,30 @@ def test_an_async_run_with_a_constant_reward_and_dynamic_sampling_stops_with_a_m
     assert message.startswith("step 1:") and "same reward" in message
     assert summary.steps == 0 and summary.rollouts_trained == 0
     assert (run.dir / "summary.json").exists()  # ended as a run does: evaluated, exported
+
+
+@pytest.mark.slow
+def test_pause_and_stop_are_obeyed_while_an_async_batch_waits(
+    tiny_model_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Regression: control was read between steps only, so a batch that waits (here on
+    agents that sleep 20 s) held a pause or a stop until it was done."""
+    monkeypatch.setenv("SLOW_AGENT_SLEEP", "20")
+    cfg = run_config(tmp_path, tiny_model_dir, steps=3, name="waiting")
+    cfg = cfg.model_copy(update={"pipeline": cfg.pipeline.model_copy(update={"mode": "async"})})
+    with background_run(cfg) as run:
+        run.wait(lambda: (read_state(run.dir) or SimpleNamespace(state="")).state == "running")
+        store = SqliteStore(run.dir / "traces.db")
+        run.wait(lambda: bool(store.rollouts(status=RolloutStatus.running)))
+        store.close()
+        pause = send(run.dir, "pause")
+        answer = wait_applied(run.dir, pause.id, 10)
+        assert answer is not None and answer.ok, "the pause waited for the batch"
+        assert answer.step == 1 and read_state(run.dir).state == "paused"  # type: ignore[union-attr]
+        stop = send(run.dir, "stop")
+        assert wait_applied(run.dir, stop.id, 10) is not None, "the stop waited for the batch"
+        summary = run.join(timeout=120)
+    assert summary.steps == 0 and run.steps() == []  # the waiting step was given up
 
 
 def _broken_reward(task: dict, answer: str) -> float:
