@@ -5,7 +5,9 @@ stop, and `set` of a few settings, applied between steps.
 (tracerl.pipeline.control_files, the channel); `Control.poll` reads the new ones between
 steps, `between_steps` applies each (blocking while paused) and answers it in
 control_applied.jsonl with the step it took effect, and the loop's state goes to
-control_state.json. Nothing listens on a port.
+control_state.json. Nothing listens on a port. A step still waiting for its batch (an async
+source, nothing trained yet) calls `between_steps` too, every quarter second: a pause holds
+it there, and a stop gives the step up.
 
 A checkpoint asked for is the next step's own: the pipeline records each version's
 checkpoint when the step ends (a version recorded without one never gets one later), so

@@ -42,6 +42,8 @@ __all__ = [
     "SyncSource",
     "TaskOrder",
     "issue_group",
+    "never",
+    "no_signal",
     "read_finished",
 ]
 
