@@ -16,8 +16,10 @@ from typing import Annotated
 from pydantic import BaseModel, ConfigDict, Field, JsonValue, model_validator
 
 __all__ = [
+    "ChoiceOf",
     "FINISHED",
     "HAS_OUTCOME",
+    "REWARD_ERROR",
     "REWARD_LIMIT",
     "VALID_TRANSITIONS",
     "FinishedRollout",
@@ -33,6 +35,7 @@ __all__ = [
     "Task",
     "Transition",
     "bounded_reward",
+    "effective_temperature",
 ]
 
 
@@ -86,6 +89,12 @@ HAS_OUTCOME = frozenset({RolloutStatus.succeeded, RolloutStatus.failed})
 """Final states with an outcome to learn from: the agent answered (rightly or not). A
 timed-out rollout, or one whose attempts all expired, has none and is never trained on."""
 
+REWARD_ERROR = "reward function raised"
+"""How the error of a rollout whose reward function raised begins (its traceback follows).
+That is a bug of the user's reward code, not an outcome of the agent: such a rollout is
+finished `failed` without a reward, kept in the store, and never trained on. (An agent's own
+error starts with its exception's type name, so the two never read alike.)"""
+
 # The lifecycle as data: the store refuses any transition not listed here.
 # running -> queued happens when a runner's lease expires (it died or hung) and the
 # rollout still has attempts left; each new claim starts a new attempt.
@@ -137,6 +146,29 @@ class Rollout(_Record):
     error: str | None = None
     """Why it failed or timed out: an exception's text, 'lease expired', ..."""
 
+    @property
+    def reward_failed(self) -> bool:
+        """Whether its reward function raised (see REWARD_ERROR)."""
+        return self.error is not None and self.error.startswith(REWARD_ERROR)
+
+    @property
+    def has_outcome(self) -> bool:
+        """Whether it has an outcome to learn from: a state in HAS_OUTCOME, and a reward
+        function that did not raise."""
+        return self.status in HAS_OUTCOME and not self.reward_failed
+
+
+class ChoiceOf(_Record):
+    """Which of a call's n > 1 sampled choices a span holds (kept in span.response["choice"];
+    a call of one choice has none)."""
+
+    call: str
+    """The span id of the call's first choice: the same for all its choices."""
+    index: int = Field(ge=0)
+    """The choice's position among the call's choices."""
+    of: int = Field(ge=2)
+    """How many choices the call returned."""
+
 
 class Span(_Record):
     """One model call inside a rollout, recorded token by token by the gateway.
@@ -173,7 +205,8 @@ class Span(_Record):
     finish_reason: str = "stop"
     """'stop' (end token or stop string), 'length' (max_tokens) or 'tool_calls'."""
     temperature: float = 1.0
-    """Sampling temperature the log-probs were taken at."""
+    """Sampling temperature asked for (0: greedy). The log-probs were taken at
+    `effective_temperature` of it: 1 for a greedy call."""
     prefix_reused: int = Field(default=0, ge=0, lt=2**31)
     """How many leading prompt ids were taken verbatim from the previous call of this
     rollout and role (token-in/token-out); 0 for a first call or after a prefix break."""
@@ -186,6 +219,12 @@ class Span(_Record):
     """Wall time from request to response inside the gateway."""
     created_at: float = Field(default_factory=time.time)
     """When the call finished."""
+
+    @property
+    def choice(self) -> ChoiceOf | None:
+        """Which of its call's n > 1 choices this span holds; None for a call of one."""
+        raw = self.response.get("choice")
+        return ChoiceOf.model_validate(raw) if raw is not None else None
 
 
 class Reward(_Record):
@@ -258,8 +297,8 @@ class FinishedRollout(_Record):
 
     @property
     def has_outcome(self) -> bool:
-        """Whether it has an outcome to learn from (see HAS_OUTCOME)."""
-        return self.rollout.status in HAS_OUTCOME
+        """Whether it has an outcome to learn from (see Rollout.has_outcome)."""
+        return self.rollout.has_outcome
 
     def success(self, threshold: float) -> bool:
         """Whether it has an outcome and its final reward is at least `threshold`."""
@@ -294,6 +333,14 @@ class PolicyVersion(_Record):
     """Which policy this is a version of."""
     created_at: float = Field(default_factory=time.time)
     """When it was published."""
+
+
+def effective_temperature(temperature: float) -> float:
+    """The temperature a completion's log-probs are taken at: the sampling one, or 1 for a
+    greedy request (T = 0), whose tokens were picked by argmax. The one definition: engines
+    record log-probs at it (tracerl.engines.scoring) and rows carry it to the trainer
+    (tracerl.algorithms.transitions), so neither side ever divides logits by 0."""
+    return temperature if temperature > 0 else 1.0
 
 
 class SamplingParams(_Record):
@@ -362,9 +409,10 @@ class Transition(_Record):
     weight: float = 1.0
     """Loss weight of each sampled token of this row; the algorithm's per-rollout
     normalisation writes it (see tracerl.algorithms.advantages)."""
-    temperature: float = 1.0
-    """Sampling temperature of the row's spans; the trainer takes log-probs at it so the
-    importance ratio compares like with like."""
+    temperature: float = Field(default=1.0, gt=0)
+    """The temperature the row's behaviour log-probs were taken at (`effective_temperature`
+    of its spans': 1 for greedy ones); the trainer takes log-probs at it so the importance
+    ratio compares like with like."""
 
     @model_validator(mode="after")
     def _aligned(self) -> Transition:

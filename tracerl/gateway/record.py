@@ -8,7 +8,9 @@ so an attempt's calls are numbered in order however many are in flight, and howe
 gateway processes serve it; nothing here keeps a count that another process could reuse.
 
 The response id names the spans: a completion `chatcmpl-<hex>` (or `cmpl-<hex>`) records
-its first choice as span `<hex>` and choice i > 0 as `<hex>-<i>`. Agents that nest (a
+its first choice as span `<hex>` and choice i > 0 as `<hex>-<i>`; with n > 1 each span's
+response also says which choice of the call it holds (types.ChoiceOf), so credit goes only
+to the choice the agent went on with (tracerl.algorithms.transitions). Agents that nest (a
 planner that runs an executor sub-agent) pass that id as the sub-agent's parent; it is
 stored as the sub-agent's spans' `parent_span_id`.
 """
@@ -32,6 +34,7 @@ from tracerl.gateway.tito import Prompt
 from tracerl.store import LeaseLost, NotFound, Store, StoreError
 from tracerl.types import (
     ENGINE_OUTAGE,
+    ChoiceOf,
     Reward,
     Rollout,
     RolloutStatus,
@@ -135,7 +138,7 @@ class SpanRecorder:
         """One span per choice of a call the engine served (token ids and log-probs)."""
 
         ordered = sorted(choices, key=lambda c: c.index)  # the store numbers them in this order
-        await self._write(rollout, [_span(rollout, call, c) for c in ordered])
+        await self._write(rollout, [_span(rollout, call, c, len(choices)) for c in ordered])
 
     async def outage(self, rollout: Rollout) -> None:
         """Mark `rollout`'s attempt as having met an engine outage (types.ENGINE_OUTAGE);
@@ -198,8 +201,8 @@ def _span_id(response_id: str) -> str:
     return response_id
 
 
-def _span(rollout: Rollout, call: Call, c: Choice) -> Span:
-    """Choice `c`'s span; its seq is a placeholder the store replaces (append_spans)."""
+def _span(rollout: Rollout, call: Call, c: Choice, n: int) -> Span:
+    """Choice `c` of `n`'s span; its seq is a placeholder the store replaces (append_spans)."""
     return Span.model_construct(
         id=call.span_id if c.index == 0 else f"{call.span_id}-{c.index}",
         rollout_id=rollout.id,
@@ -211,7 +214,7 @@ def _span(rollout: Rollout, call: Call, c: Choice) -> Span:
         completion_ids=c.gen.completion_ids,
         logprobs=c.gen.logprobs,
         messages=call.messages,
-        response=_response(call, c),
+        response=_response(call, c, n),
         finish_reason=c.finish_reason,
         temperature=call.params.temperature,
         prefix_reused=call.prompt.reused,
@@ -222,13 +225,16 @@ def _span(rollout: Rollout, call: Call, c: Choice) -> Span:
     )
 
 
-def _response(call: Call, c: Choice) -> dict[str, Any]:
+def _response(call: Call, c: Choice, n: int) -> dict[str, Any]:
     """The reply as the span keeps it; a constrained call also keeps its grammar, since its
-    log-probs are those of the grammar-masked distribution (engines.scoring re-applies it)."""
+    log-probs are those of the grammar-masked distribution (engines.scoring re-applies it),
+    and one of n > 1 choices which it is (types.ChoiceOf)."""
     response: dict[str, Any] = {
         "message": wire_message(c.reply, c.call_ids),
         "finish_reason": c.finish_reason,
     }
+    if n > 1:
+        response["choice"] = ChoiceOf(call=call.span_id, index=c.index, of=n).model_dump()
     grammar = getattr(call.params, "grammar", None)
     if grammar:
         response["constraint"] = {"grammar": grammar, "eos_token_ids": call.eos_token_ids}
