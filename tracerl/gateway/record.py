@@ -226,7 +226,8 @@ def _span(rollout: Rollout, call: Call, c: Choice, n: int) -> Span:
 
 
 def _response(call: Call, c: Choice, n: int) -> dict[str, Any]:
-    """The reply as the span keeps it; a constrained call also keeps its grammar, since its
+    """The reply as the span keeps it, with how the request's tools were rendered when it
+    had any (tool_rendering.py); a constrained call also keeps its grammar, since its
     log-probs are those of the grammar-masked distribution (engines.scoring re-applies it),
     and one of n > 1 choices which it is (types.ChoiceOf)."""
     response: dict[str, Any] = {
@@ -235,6 +236,8 @@ def _response(call: Call, c: Choice, n: int) -> dict[str, Any]:
     }
     if n > 1:
         response["choice"] = ChoiceOf(call=call.span_id, index=c.index, of=n).model_dump()
+    if call.prompt.tool_rendering is not None:  # how the request's tools reached the model
+        response["tool_rendering"] = call.prompt.tool_rendering
     grammar = getattr(call.params, "grammar", None)
     if grammar:
         response["constraint"] = {"grammar": grammar, "eos_token_ids": call.eos_token_ids}
