@@ -219,6 +219,14 @@ class Span(_Record):
     """Wall time from request to response inside the gateway."""
     created_at: float = Field(default_factory=time.time)
     """When the call finished."""
+    thread_id: str | None = None
+    """The conversation (thread) of the rollout this call belongs to: the id of the thread's
+    first span. A call that extends an earlier call's conversation joins its thread; a new
+    conversation starts one. Each thread is its own trajectory for training. None for raw
+    completions and for spans recorded before threads existed."""
+    parent_thread_id: str | None = None
+    """The thread this call's thread branched from (a sub-agent, a compaction, a call naming
+    its parent); None for a thread that starts afresh. Set on every span of the thread."""
 
     @property
     def choice(self) -> ChoiceOf | None:

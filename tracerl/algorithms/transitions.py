@@ -1,10 +1,12 @@
 """Credit assignment: the spans of one finished rollout become training rows.
 
-Calls of one role whose prompt extends an earlier call's prompt + completion are merged
-into one row, so a multi-turn conversation is trained as one sequence in which every token
-appears once: the sampled completions carry mask 1 and their behaviour log-probs, the
-tool/user turns in between carry mask 0. A call whose prompt does not extend any open row
-(edited history, template drift, a second conversation) starts a new row.
+Calls of one thread (one conversation of one role: Span.thread_id) whose prompt extends an
+earlier call's prompt + completion are merged into one row, so a multi-turn conversation is
+trained as one sequence in which every token appears once: the sampled completions carry
+mask 1 and their behaviour log-probs, the tool/user turns in between carry mask 0. A call
+whose prompt does not extend any open row of its thread (a prefix break) starts a new row;
+calls of two threads never share one, even when one's prompt happens to extend the other's
+tokens. Spans recorded before threads existed (thread_id None) form one thread per role.
 
 Returns: every row gets the rollout's final reward (the trajectory's outcome), unless its
 role was given a reward of its own (`role_rewards`), which replaces the outcome for that
@@ -70,8 +72,8 @@ class _Row:
         self.seqs.append(span.seq)
 
 
-def _merge_role(spans: list[Span]) -> list[_Row]:
-    """Merge one role's spans (in seq order) into rows."""
+def _merge_thread(spans: list[Span]) -> list[_Row]:
+    """Merge one thread's spans (in seq order) into rows."""
     rows: list[_Row] = []
     for span in spans:
         if len(span.logprobs) != len(span.completion_ids):
@@ -141,11 +143,11 @@ def spans_to_transitions(
 ) -> list[Transition]:
     """Turn the spans of one rollout attempt into training rows, one or more per role.
 
-    Roles come out in order of first appearance, and a role's rows in order of their first
-    call; then a row for each choice left aside that has a step reward. `step_rewards` maps
-    a span seq to a reward added to its row's return; `role_rewards` maps a role to the
-    final reward its rows take instead of `reward`; `answer` (the rollout's) tells which
-    choice of a final n > 1 call was returned.
+    Roles come out in order of first appearance, and a role's rows in order of their
+    thread's first call, then of their own; then a row for each choice left aside that has
+    a step reward. `step_rewards` maps a span seq to a reward added to its row's return;
+    `role_rewards` maps a role to the final reward its rows take instead of `reward`;
+    `answer` (the rollout's) tells which choice of a final n > 1 call was returned.
     """
     if not spans:
         return []
@@ -154,20 +156,21 @@ def spans_to_transitions(
         raise ValueError(f"spans of one rollout attempt expected, got {sorted(rollout_ids)}")
     steps, roles = step_rewards or {}, role_rewards or {}
     aside = _left_aside(spans, answer)
-    by_role: dict[str, list[Span]] = {}
-    for span in spans:
+    by_role: dict[str, dict[str | None, list[Span]]] = {}
+    for span in sorted(spans, key=lambda s: s.seq):
         if span.completion_ids and span.id not in aside:
-            by_role.setdefault(span.role, []).append(span)
+            by_role.setdefault(span.role, {}).setdefault(span.thread_id, []).append(span)
     rid = spans[0].rollout_id
     out = []
-    for role, role_spans in by_role.items():
+    for role, threads in by_role.items():
         final = roles.get(role, reward)
-        for row in _merge_role(sorted(role_spans, key=lambda s: s.seq)):
-            ret = final + sum(steps.get(seq, 0.0) for seq in row.seqs)
-            out.append(_freeze(row, rid, group_id, task_id, ret))
+        for thread_spans in threads.values():
+            for row in _merge_thread(thread_spans):
+                ret = final + sum(steps.get(seq, 0.0) for seq in row.seqs)
+                out.append(_freeze(row, rid, group_id, task_id, ret))
     rewarded = [s for s in spans if s.id in aside and s.seq in steps and s.completion_ids]
     for span in sorted(rewarded, key=lambda s: s.seq):  # the agent's own reward, alone
-        (row,) = _merge_role([span])
+        (row,) = _merge_thread([span])
         out.append(_freeze(row, rid, group_id, task_id, steps[span.seq]))
     return out
 

@@ -30,6 +30,7 @@ from typing import Any, TypeVar
 from tracerl.gateway.chat import Message, wire_message
 from tracerl.gateway.errors import GatewayError
 from tracerl.gateway.served import Choice
+from tracerl.gateway.threads import Placement
 from tracerl.gateway.tito import Prompt
 from tracerl.store import LeaseLost, NotFound, Store, StoreError
 from tracerl.types import (
@@ -42,7 +43,7 @@ from tracerl.types import (
     Span,
 )
 
-__all__ = ["Call", "SpanRecorder"]
+__all__ = ["Call", "SpanRecorder", "span_ids"]
 
 T = TypeVar("T")
 
@@ -67,6 +68,8 @@ class Call:
     """Seconds the engine took."""
     eos_token_ids: list[int] = field(default_factory=list)
     """The engine's end tokens (what a grammar allows once complete, for re-scoring)."""
+    thread: Placement | None = None
+    """The call's thread (threads.py); None for raw completions."""
 
 
 class SpanRecorder:
@@ -201,10 +204,20 @@ def _span_id(response_id: str) -> str:
     return response_id
 
 
+def span_ids(span_id: str, n: int) -> list[str]:
+    """The spans of a call's n choices (see _choice_span)."""
+    return [_choice_span(span_id, i) for i in range(n)]
+
+
+def _choice_span(span_id: str, i: int) -> str:
+    """Choice 0's span is `span_id` (the response id's), choice i > 0's `<span_id>-<i>`."""
+    return span_id if i == 0 else f"{span_id}-{i}"
+
+
 def _span(rollout: Rollout, call: Call, c: Choice, n: int) -> Span:
     """Choice `c` of `n`'s span; its seq is a placeholder the store replaces (append_spans)."""
     return Span.model_construct(
-        id=call.span_id if c.index == 0 else f"{call.span_id}-{c.index}",
+        id=_choice_span(call.span_id, c.index),
         rollout_id=rollout.id,
         attempt=rollout.attempt,
         seq=c.index,
@@ -222,6 +235,8 @@ def _span(rollout: Rollout, call: Call, c: Choice, n: int) -> Span:
         parent_span_id=call.parent_id,
         latency_s=call.latency,
         created_at=time.time(),
+        thread_id=call.thread.thread_id if call.thread else None,
+        parent_thread_id=call.thread.parent_thread_id if call.thread else None,
     )
 
 
@@ -248,7 +263,7 @@ def _text_span(rollout: Rollout, call: Call, i: int, choice: dict[str, Any]) -> 
     """A remote role's choice `i` as a text-only span (seq: a placeholder, as in _span)."""
     finish = str(choice.get("finish_reason") or "stop")
     return Span(
-        id=call.span_id if i == 0 else f"{call.span_id}-{i}",
+        id=_choice_span(call.span_id, i),
         rollout_id=rollout.id,
         attempt=rollout.attempt,
         seq=i,
@@ -263,4 +278,6 @@ def _text_span(rollout: Rollout, call: Call, i: int, choice: dict[str, Any]) -> 
         temperature=call.params.temperature,
         parent_span_id=call.parent_id,
         latency_s=call.latency,
+        thread_id=call.thread.thread_id if call.thread else None,
+        parent_thread_id=call.thread.parent_thread_id if call.thread else None,
     )

@@ -15,6 +15,7 @@ from transformers import PreTrainedTokenizerBase
 
 from tracerl.engines.base import Engine
 from tracerl.gateway.chat import Message, ParsedReply
+from tracerl.gateway.threads import HistoryKey, Placement
 from tracerl.gateway.tito import Prompt, PromptBuilder
 from tracerl.gateway.toolcalls import Reasoning, ToolFormat, detect_reasoning, tool_format
 from tracerl.gateway.toolcalls.hermes import HERMES
@@ -23,9 +24,6 @@ from tracerl.types import Generation, Rollout, SamplingParams
 __all__ = ["Choice", "Pending", "Served", "ServedModel", "decode"]
 
 log = logging.getLogger(__name__)
-
-HistoryKey = tuple[str, int, str, str | None]
-"""(rollout id, attempt, role, parent span id): one agent's conversation with one model."""
 
 
 @dataclass
@@ -120,7 +118,9 @@ class Pending:
     parent_id: str | None
     """The span of the agent that spawned the caller, if any."""
     key: HistoryKey | None
-    """Its conversation's token-history key (chat calls under a rollout), else None."""
+    """Its agent's token-history key (chat calls under a rollout), else None."""
+    thread: Placement | None
+    """Its thread (chat calls under a rollout), else None."""
     messages: list[Message]
     """Canonical messages ([] for raw completions)."""
     tools: list[dict] | None

@@ -3,10 +3,11 @@
 Re-tokenizing a whole conversation on every turn silently changes what the policy is
 trained on (BPE merges across turn boundaries, JSON re-serialised by the template,
 special tokens the model sampled but the template spells differently). So when a request
-extends the previous request of the same rollout, role and parent agent — earlier messages unchanged,
-then the assistant message we returned, then new messages — the prompt is the previous
-prompt ids + the sampled completion ids + the tokens of the new suffix alone. When that
-does not hold, the whole prompt is tokenized afresh and the reason is recorded on the span.
+extends the previous request of its thread (the conversation it carries on, threads.py) —
+earlier messages unchanged, then the assistant message we returned, then new messages — the
+prompt is the previous prompt ids + the sampled completion ids + the tokens of the new
+suffix alone. When that does not hold, the whole prompt is tokenized afresh and the reason
+is recorded on the span.
 """
 
 from __future__ import annotations
@@ -39,7 +40,7 @@ class Turn:
 
 @dataclass
 class History:
-    """The previous request of one (rollout, attempt, role)."""
+    """The previous request of one thread (a conversation of one agent of an attempt)."""
 
     messages: list[Message]
     """Canonical messages of the previous request."""
@@ -138,7 +139,7 @@ class PromptBuilder:
         rendering = self.tool_rendering if uses_tools(messages, tools) else None
         if prev is None:
             return Prompt(ids=self.encode(full), tool_rendering=rendering)
-        turn, reason = self._match(messages, tools, prev)
+        turn, reason = match_turn(messages, tools, prev)
         if turn is None:
             return Prompt(ids=self.encode(full), prefix_break=reason, tool_rendering=rendering)
         k = len(prev.messages) + 1
@@ -157,19 +158,22 @@ class PromptBuilder:
         ids = head + self.encode(suffix)
         return Prompt(ids=ids, reused=len(turn.ids), tool_rendering=rendering)
 
-    def _match(
-        self, messages: list[Message], tools: list[dict] | None, prev: History
-    ) -> tuple[Turn | None, str]:
-        k = len(prev.messages)
-        if tools != prev.tools:
-            return None, "tools changed"
-        if len(messages) <= k + 1 or messages[:k] != prev.messages:
-            return None, "edited history"
-        for turn in prev.turns:
-            if same_turn(turn.reply, messages[k]):
-                # The agent never saw the stop string the model sampled; reusing those ids
-                # would put text in the context that the conversation does not hold.
-                if turn.end == "stop_string":
-                    return None, "stop string"
-                return turn, ""
-        return None, "assistant message changed"
+
+def match_turn(
+    messages: list[Message], tools: list[dict] | None, prev: History
+) -> tuple[Turn | None, str]:
+    """The returned choice a request carries on from, with its ids reusable; else None and
+    why not (the reason a span records as its prefix break)."""
+    k = len(prev.messages)
+    if tools != prev.tools:
+        return None, "tools changed"
+    if len(messages) <= k + 1 or messages[:k] != prev.messages:
+        return None, "edited history"
+    for turn in prev.turns:
+        if same_turn(turn.reply, messages[k]):
+            # The agent never saw the stop string the model sampled; reusing those ids
+            # would put text in the context that the conversation does not hold.
+            if turn.end == "stop_string":
+                return None, "stop string"
+            return turn, ""
+    return None, "assistant message changed"

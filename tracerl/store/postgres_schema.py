@@ -85,6 +85,8 @@ CREATE TABLE versions (
     role TEXT NOT NULL, version INTEGER NOT NULL, path TEXT NOT NULL,
     created_at DOUBLE PRECISION NOT NULL, PRIMARY KEY (role, version));
 """,
+    # 2: the conversation (thread) of each span, and the thread it branched from.
+    "ALTER TABLE spans ADD COLUMN thread_id TEXT, ADD COLUMN parent_thread_id TEXT;",
 )
 """Each entry takes the schema one version up; append, never edit a shipped one."""
 
