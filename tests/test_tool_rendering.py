@@ -16,6 +16,7 @@ from transformers import AutoTokenizer
 from tracerl.engines.stub import StubEngine
 from tracerl.gateway import Gateway, ServedModel, create_app
 from tracerl.gateway.tito import PromptBuilder
+from tracerl.gateway.toolcalls import parse_reply
 from tracerl.server import serve_in_thread
 from tracerl.store.sqlite import SqliteStore
 
@@ -202,3 +203,20 @@ def test_responses_and_messages_routes_render_the_tools_too(tiny_model_dir: Path
         assert "<tools>" in tokenizer.decode(span.prompt_ids, skip_special_tokens=False)
         assert span.response["tool_rendering"] == "hermes-fallback"
     store.close()
+
+
+def test_a_block_holding_a_list_of_calls_is_read() -> None:
+    # SmolLM2's own convention: one <tool_call> block holding a JSON list of calls.
+    text = (
+        '<tool_call>[{"name": "add", "arguments": {"a": 1, "b": 2}}, '
+        '{"name": "add", "arguments": {"a": 3, "b": 4}}]</tool_call>'
+    )
+    calls = parse_reply(text, TOOLS).tool_calls
+    assert calls == [
+        {"name": "add", "arguments": {"a": 1, "b": 2}},
+        {"name": "add", "arguments": {"a": 3, "b": 4}},
+    ]
+    for kept in ("<tool_call>[]</tool_call>", '<tool_call>[{"name": "add"}, 3]</tool_call>'):
+        assert (
+            parse_reply(kept, TOOLS).tool_calls == [] and parse_reply(kept, TOOLS).content == kept
+        )
