@@ -95,15 +95,19 @@ def test_new_threads_are_linked_to_the_thread_they_branch_from(served) -> None: 
     _call(client, a1["history"])  # the main thread answers: nothing pending
     x1 = _call(client, _ask("You translate.", "Say hi in French."))  # unrelated
     _call(client, x1["history"])
+    y1 = _call(client, _ask("Use the calculator.", "What is 2+2?"))  # the agent run again
+    _call(client, y1["history"])
     # A compaction: the opening kept, the rest of the conversation replaced by a summary.
     summary = {"role": "user", "content": "Summary so far: 37+48 is 85. Go on."}
     _call(client, [*a1["history"][:2], summary])
-    main, sub, main2, other, other2, compacted = _session_spans(store)
-    assert [s.prefix_break for s in (main, sub, main2, other, other2, compacted)] == [None] * 6
+    main, sub, main2, other, other2, again, again2, compacted = _session_spans(store)
+    spans = (main, sub, main2, other, other2, again, again2, compacted)
+    assert [s.prefix_break for s in spans] == [None] * 8
     assert main2.thread_id == main.thread_id and other2.thread_id == other.thread_id
     assert len({main.thread_id, sub.thread_id, other.thread_id, compacted.thread_id}) == 4
     assert sub.parent_thread_id == main.thread_id
     assert other.parent_thread_id is None
+    assert again.parent_thread_id is None  # the same system prompt, another task
     assert compacted.parent_thread_id == main.thread_id
     assert main.parent_thread_id is None and main2.parent_thread_id is None
 

@@ -16,8 +16,9 @@ it branched from:
 1. the thread of the span the call names as its parent (X-Tracerl-Parent);
 2. else the attempt's most recently used thread, when its last reply called tools: the
    new conversation started inside that tool call (a sub-agent);
-3. else the thread sharing the longest opening with it, at least one whole message (a
-   compaction keeps the system prompt, a fork its first turns);
+3. else the thread sharing the longest opening with it, one that goes past the system
+   messages (a compaction keeps the task, a fork its first turns; two runs of one agent
+   share only the system prompt, and are not linked);
 4. else none: a conversation of its own.
 
 Rules 2 and 3 are guesses from what a client sends; a client that knows its agents' tree
@@ -100,10 +101,11 @@ def _branched_from(messages: list[Message], threads: list[Thread]) -> str | None
 
 
 def _common(a: list[Message], b: list[Message]) -> int:
-    """How many leading messages two conversations share."""
+    """How many leading messages two conversations share; 0 when those are all system
+    messages (the prompt of an agent, not a conversation)."""
     n = 0
     for x, y in zip(a, b, strict=False):
         if x != y:
             break
         n += 1
-    return n
+    return n if any(m.get("role") != "system" for m in a[:n]) else 0
