@@ -17,6 +17,7 @@ from tracerl.engines.stub import StubEngine
 from tracerl.gateway import Gateway, ServedModel, create_app
 from tracerl.gateway.tito import PromptBuilder
 from tracerl.gateway.toolcalls import parse_reply
+from tracerl.models.sft import Demo, encode_demo
 from tracerl.server import serve_in_thread
 from tracerl.store.sqlite import SqliteStore
 
@@ -220,3 +221,37 @@ def test_a_block_holding_a_list_of_calls_is_read() -> None:
         assert (
             parse_reply(kept, TOOLS).tool_calls == [] and parse_reply(kept, TOOLS).content == kept
         )
+
+
+def test_sft_renders_a_demo_as_the_gateway_renders_its_request(tiny_model_dir: Path) -> None:
+    """A demo with tools on a template that ignores them is trained on the Hermes rendering
+    the gateway serves; the loss covers the call's text and the answer, and the ids the
+    gateway would build for the second turn's prompt are the demo's own prefix."""
+    tokenizer = _tokenizer(tiny_model_dir, NO_TOOLS)
+    call = {
+        "id": "c1",
+        "type": "function",
+        "function": {"name": "add", "arguments": '{"a": 1, "b": 2}'},
+    }
+    demo = Demo(
+        messages=[
+            {"role": "user", "content": "What is 1+2?"},
+            {"role": "assistant", "content": "", "tool_calls": [call]},
+            {"role": "tool", "tool_call_id": "c1", "content": "3"},
+            {"role": "assistant", "content": "3"},
+        ],
+        tools=TOOLS,
+    )
+    encoded = encode_demo(tokenizer, demo)
+    text = tokenizer.decode(encoded.input_ids)
+    assert "<tools>" in text and CALL in text and "<tool_response>\n3\n</tool_response>" in text
+    trained = tokenizer.decode(
+        [i for i, m in zip(encoded.input_ids, encoded.loss_mask, strict=True) if m]
+    )
+    assert CALL in trained and trained.endswith("3<|end|>") and "<tools>" not in trained
+    builder = PromptBuilder(tokenizer)
+    # The gateway's canonical messages carry a call's arguments as an object.
+    called = {**call, "function": {"name": "add", "arguments": {"a": 1, "b": 2}}}
+    history = [demo.messages[0], {"role": "assistant", "content": "", "tool_calls": [called]}]
+    second = builder.render([*history, demo.messages[2]], TOOLS, True)
+    assert text.startswith(second) and builder.tool_rendering == "hermes-fallback"
