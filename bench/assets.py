@@ -50,7 +50,7 @@ from tracerl.assets.config import OptimizeSettings  # noqa: E402
 from tracerl.assets.optimize import Optimizer  # noqa: E402
 from tracerl.assets.proposers import BootstrapProposer, LlmProposer, Proposer  # noqa: E402
 from tracerl.assets.records import AssetRef, Comparison  # noqa: E402
-from tracerl.demo import cache_dir  # noqa: E402
+from tracerl.cache import cache_dir  # noqa: E402
 from tracerl.engines.config import EngineConfig  # noqa: E402
 from tracerl.pipeline.config import TrainConfig  # noqa: E402
 from tracerl.pipeline.run import TrainSummary, train  # noqa: E402

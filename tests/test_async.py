@@ -21,7 +21,7 @@ from tracerl.algorithms.config import CurationConfig
 from tracerl.algorithms.curation import Curation
 from tracerl.gateway import Gateway, ServedModel, create_app
 from tracerl.pipeline.async_source import AsyncSource
-from tracerl.pipeline.sources import Agents, SourceState, SyncSource, TaskOrder
+from tracerl.pipeline.sources import Agents, NoBatch, SourceState, SyncSource, TaskOrder
 from tracerl.runner import Runner, RunnerConfig
 from tracerl.server import BackgroundServer, serve_in_thread
 from tracerl.store.sqlite import SqliteStore
@@ -278,3 +278,112 @@ def test_pause_leaves_the_queue_to_another_pool(stack: Stack) -> None:
             time.sleep(0.05)
     finally:
         source.close()
+
+
+def _losing_tasks(n: int) -> list[Task]:
+    """Coin tasks with odd ids: every rollout loses, so no group has a reward signal."""
+    return [
+        Task(id=f"t{2 * i + 1}", input={"question": "What is 37+48?", "id": f"t{2 * i + 1}",
+             "coin": True}, answer=85)
+        for i in range(n)
+    ]  # fmt: skip
+
+
+def _batch_in_thread(source: AsyncSource, step: int, timeout: float) -> dict[str, object]:
+    """source.batch(step) in a thread, joined for `timeout` s: {"groups"} or {"error"}; an
+    empty dict when it never returned (the thread is left behind, a daemon)."""
+    out: dict[str, object] = {}
+
+    def target() -> None:
+        try:
+            out["groups"] = source.batch(step)
+        except Exception as e:
+            out["error"] = e
+
+    thread = threading.Thread(target=target, daemon=True)
+    thread.start()
+    thread.join(timeout)
+    return out
+
+
+def test_async_dynamic_sampling_gives_up_on_a_batch_without_signal(stack: Stack) -> None:
+    """Regression: with every group of equal reward, batch() never returned."""
+    order = TaskOrder(_losing_tasks(8), per_step=2, seed=0)
+    curation = Curation.build(CurationConfig(dynamic_sampling=True), 2, success_threshold=1.0)
+    source = AsyncSource("run", stack.store, stack.agents(), order, curation, lambda: 0)
+    try:
+        out = _batch_in_thread(source, 0, timeout=30)
+    finally:
+        source.close()
+    assert out, "batch() never returned"
+    error = out.get("error")
+    assert isinstance(error, NoBatch) and "same reward" in str(error)
+    # As sync mode after its top-ups: the step's groups plus max_topups rounds' worth.
+    dropped = curation.metrics()["curation/dropped_zero_variance"]
+    assert dropped == source.max_topups * order.per_step
+
+
+def test_a_stop_is_obeyed_while_a_batch_waits_and_loses_no_group(stack: Stack) -> None:
+    order = TaskOrder(_tasks(8), per_step=2, seed=0)
+    SLOW.update({t.id: 10.0 for t in _tasks(8) if t.id != order.task(0).id})
+    asked = threading.Event()
+    source = AsyncSource("run", stack.store, stack.agents(), order, NONE, lambda: 0)
+    source.interrupt = asked.is_set
+    try:
+        source.start()
+        deadline = time.monotonic() + 20
+        while not any(r.status.value == "succeeded" for r in stack.store.rollouts()):
+            assert time.monotonic() < deadline
+            time.sleep(0.02)
+        threading.Timer(1.0, asked.set).start()  # `tracerl ctl stop`, while it waits
+        t0 = time.perf_counter()
+        out = _batch_in_thread(source, 0, timeout=5)
+        assert out, "batch() did not obey the stop"
+        assert time.perf_counter() - t0 < 5
+        assert isinstance(out.get("error"), NoBatch) and "stop" in str(out["error"])
+        # The group it had taken is pending again: a resumed run trains it.
+        state = source.state()
+        assert state.consumed_below == 0 and state.consumed == []
+        assert [p.index for p in source.pending][:1] == [0]
+    finally:
+        source.close()
+
+
+def test_a_resumed_source_keeps_every_replaced_stale_rollout_out(
+    stack: Stack, tmp_path: Path
+) -> None:
+    """Regression: only groups pending at the checkpoint kept their replaced (stale)
+    rollouts; a group issued after it counted the stale rollout and its replacement."""
+    order = TaskOrder(_tasks(4), per_step=1, seed=0)
+    version = [0]
+    journal = tmp_path / "replaced.jsonl"
+
+    def source() -> AsyncSource:
+        return AsyncSource(
+            "run", stack.store, stack.agents(), order, NONE, lambda: version[0],
+            max_staleness=1, journal=journal,
+        )  # fmt: skip
+
+    first = source()
+    checkpoint = first.state()  # before any group was issued
+    try:
+        first.start()
+        deadline = time.monotonic() + 20
+        while stack.store.counts().get("succeeded", 0) < 4:  # 2 pending groups at v0
+            assert time.monotonic() < deadline
+            time.sleep(0.02)
+        version[0] = stack.engine.policy_version = 3  # the trainer moved on: all stale
+        first.batch(0)
+        assert first.stats.stale_requeued == 4
+    finally:
+        first.close()  # the run dies here; it resumes from the checkpoint
+    resumed = source()
+    resumed.load_state(SourceState.model_validate_json(checkpoint.model_dump_json()))
+    try:
+        batch = resumed.batch(0)
+    finally:
+        resumed.close()
+    assert resumed.stats.stale_requeued == 0  # the replacements were found, not made again
+    for group in batch:
+        assert len(group.rollouts) == 2  # its size: the stale rollouts stay out
+        assert all(s.policy_version == 3 for f in group.rollouts for s in f.spans)

@@ -21,18 +21,23 @@ from tracerl.cli import main as cli
 from tracerl.examples import example_module
 from tracerl.pipeline.checkpoints import read_ledger
 from tracerl.pipeline.config import GuardConfig, PipelineConfig, TrainConfig
-from tracerl.pipeline.control import Control, set_lr
+from tracerl.pipeline.control import Control
 from tracerl.pipeline.control_files import (
     parse_setting,
     read_applied,
     read_commands,
     read_state,
     send,
+    wait_applied,
     with_setting,
 )
+from tracerl.pipeline.guards import RewardFunctionFailed
 from tracerl.pipeline.run import TrainSummary, train
 from tracerl.store.sqlite import SqliteStore
 from tracerl.trainer.config import TrainerConfig
+from tracerl.trainer.lead import Leader
+from tracerl.trainer.trainer import Trainer
+from tracerl.types import RolloutStatus
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -67,12 +72,22 @@ def test_send_refuses_bad_commands_before_writing(tmp_path: Path) -> None:
     assert [c.id for c in read_commands(tmp_path)] == [cmd.id]
 
 
+class _Trainer:
+    """What Control touches of a trainer: a real optimizer, and Trainer's own schedule code
+    (4 warmup steps, then constant)."""
+
+    set_lr = Trainer.set_lr
+    _lr_factor = Trainer._lr_factor
+
+    def __init__(self, lr: float) -> None:
+        self.cfg = TrainerConfig(lr=lr, warmup_steps=4, schedule="constant")
+        self.optimizer = torch.optim.AdamW(torch.nn.Linear(2, 2).parameters(), lr=lr)
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, self._lr_factor)
+
+
 def _fake_pipeline(step: int, lr: float = 1e-3) -> Any:
     """What Control touches of a pipeline, with a real optimizer and schedule."""
-    model = torch.nn.Linear(2, 2)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=lr)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 0.5)
-    trainer = SimpleNamespace(cfg=TrainerConfig(lr=lr), optimizer=optimizer, scheduler=scheduler)
+    trainer = _Trainer(lr)
     source = SimpleNamespace(paused=[], pause=lambda p: source.paused.append(p))
     checkpoints = SimpleNamespace(latest=lambda: None)
     return SimpleNamespace(step=step, policies=[SimpleNamespace(trainer=trainer)],
@@ -82,12 +97,14 @@ def _fake_pipeline(step: int, lr: float = 1e-3) -> Any:
 def test_set_lr_changes_the_base_and_keeps_the_schedules_factor() -> None:
     p = _fake_pipeline(0)
     trainer = p.policies[0].trainer
-    set_lr(trainer, 4e-3)
-    assert trainer.scheduler.base_lrs == [4e-3]
-    assert trainer.optimizer.param_groups[0]["lr"] == pytest.approx(2e-3)  # x the factor 0.5
+    trainer.optimizer.step()
+    trainer.scheduler.step()  # step 1 of the warmup: factor 2/4
+    trainer.set_lr(4e-3)
+    assert trainer.scheduler.base_lrs == [4e-3] and trainer.cfg.lr == 4e-3
+    assert trainer.optimizer.param_groups[0]["lr"] == pytest.approx(2e-3)  # x the factor
     trainer.optimizer.step()
     trainer.scheduler.step()
-    assert trainer.scheduler.get_last_lr()[0] == pytest.approx(2e-3)
+    assert trainer.scheduler.get_last_lr()[0] == pytest.approx(3e-3)  # factor 3/4
 
 
 def test_applied_sets_are_replayed_on_resume_and_commands_never_twice(tmp_path: Path) -> None:
@@ -132,6 +149,29 @@ def test_a_refused_set_is_answered_with_its_reason(tmp_path: Path) -> None:
     control.between_steps()
     (answer,) = read_applied(tmp_path)
     assert not answer.ok and "group_size" in (answer.error or "")
+
+
+def test_a_data_parallel_run_refuses_a_learning_rate_change_when_it_arrives(
+    tmp_path: Path,
+) -> None:
+    """Its ranks take no optimizer change mid-run: the command is answered with the reason
+    (what `tracerl ctl` and the dashboard show), and the run goes on."""
+    cfg = TrainConfig()
+    (tmp_path / "config.json").write_text(cfg.model_dump_json())
+    pipeline = _fake_pipeline(step=2)
+    leader = Leader.__new__(Leader)  # rank 0's handle, without a process group
+    leader.trainer = pipeline.policies[0].trainer
+    pipeline.policies = [SimpleNamespace(trainer=leader)]
+    pipeline.cfg = PipelineConfig()
+    control = Control(tmp_path, cfg, pipeline)
+    send(tmp_path, "set", "trainer.lr", 5e-3)
+    send(tmp_path, "checkpoint")
+    assert control.between_steps() is True
+    lr, checkpoint = read_applied(tmp_path)
+    assert not lr.ok and "data-parallel" in (lr.error or "")
+    assert checkpoint.ok
+    assert leader.trainer.scheduler.base_lrs == [1e-3]  # type: ignore[attr-defined]
+    assert control.cfg.trainer.lr == cfg.trainer.lr
 
 
 def test_hand_edited_bad_lines_never_stop_the_loop(tmp_path: Path) -> None:
@@ -311,6 +351,77 @@ def test_ctl_mid_run_set_pause_resume_stop_then_resume(
     assert [m["step"] for m in after] == list(range(max(kept) + 1, 9))
     assert all(m["train/lr"] == pytest.approx(3e-3) for m in after)
     assert {n for step, n in group_sizes(run.dir) if step > asked} == {3}
+
+
+@pytest.mark.slow
+def test_an_async_run_with_a_constant_reward_and_dynamic_sampling_stops_with_a_message(
+    tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    """Regression: every group has equal reward (the random tiny model never answers right),
+    so dynamic sampling drops them all, and the async batch waited forever."""
+    cfg = run_config(tmp_path, tiny_model_dir, steps=3, name="flat")
+    cfg = cfg.model_copy(
+        update={
+            "pipeline": cfg.pipeline.model_copy(update={"mode": "async"}),
+            "curation": cfg.curation.model_copy(update={"dynamic_sampling": True}),
+        }
+    )
+    with background_run(cfg) as run:
+        summary = run.join(timeout=180)
+    (message,) = [w for w in summary.warnings if "no group to train on" in w]
+    assert message.startswith("step 1:") and "same reward" in message
+    assert summary.steps == 0 and summary.rollouts_trained == 0
+    assert (run.dir / "summary.json").exists()  # ended as a run does: evaluated, exported
+
+
+@pytest.mark.slow
+def test_pause_and_stop_are_obeyed_while_an_async_batch_waits(
+    tiny_model_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Regression: control was read between steps only, so a batch that waits (here on
+    agents that sleep 20 s) held a pause or a stop until it was done."""
+    monkeypatch.setenv("SLOW_AGENT_SLEEP", "20")
+    cfg = run_config(tmp_path, tiny_model_dir, steps=3, name="waiting")
+    cfg = cfg.model_copy(update={"pipeline": cfg.pipeline.model_copy(update={"mode": "async"})})
+    with background_run(cfg) as run:
+        run.wait(lambda: (read_state(run.dir) or SimpleNamespace(state="")).state == "running")
+        store = SqliteStore(run.dir / "traces.db")
+        run.wait(lambda: bool(store.rollouts(status=RolloutStatus.running)))
+        store.close()
+        pause = send(run.dir, "pause")
+        answer = wait_applied(run.dir, pause.id, 10)
+        assert answer is not None and answer.ok, "the pause waited for the batch"
+        assert answer.step == 1 and read_state(run.dir).state == "paused"  # type: ignore[union-attr]
+        stop = send(run.dir, "stop")
+        assert wait_applied(run.dir, stop.id, 10) is not None, "the stop waited for the batch"
+        summary = run.join(timeout=120)
+    assert summary.steps == 0 and run.steps() == []  # the waiting step was given up
+
+
+def _broken_reward(task: dict, answer: str) -> float:
+    """A reward function with a bug."""
+    raise ValueError(f"cannot parse {answer!r}")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("preflight", [False, True], ids=["training", "preflight"])
+def test_a_crashing_reward_function_stops_the_run_with_its_traceback(
+    tiny_model_dir: Path, tmp_path: Path, preflight: bool
+) -> None:
+    """Stopped at the first step's batch, or by the pre-flight check (which said "the
+    reward was 0 on all rollouts")."""
+    cfg = run_config(tmp_path, tiny_model_dir, steps=3, name="broken")
+    guard = GuardConfig(preflight=preflight, preflight_tasks=2)
+    with pytest.raises(RewardFunctionFailed) as e:
+        train(cfg.model_copy(update={"guard": guard}), reward_fn=_broken_reward)
+    message = str(e.value)
+    assert "raised for 4 rollouts" in message  # 2 tasks x 2, a step's or the pre-flight's
+    assert "in _broken_reward" in message and "ValueError: cannot parse" in message
+    # Each is kept in the store, marked: no outcome, so never trained on as a reward of 0.
+    store = SqliteStore(Path(cfg.runs) / cfg.name / "traces.db")
+    rollouts = store.rollouts()
+    store.close()
+    assert len(rollouts) == 4 and all(r.reward_failed and not r.has_outcome for r in rollouts)
 
 
 def group_sizes(run_dir: Path) -> list[tuple[int, int]]:

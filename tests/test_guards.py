@@ -5,14 +5,28 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
+import torch
 from safetensors.torch import load_file
 
+from tracerl.pipeline.checkpoints import Checkpoints
 from tracerl.pipeline.config import GuardConfig
-from tracerl.pipeline.guards import BatchStats, BestModel, CollapseDetector, failures_with_tools
+from tracerl.pipeline.guards import (
+    BatchStats,
+    BestModel,
+    CollapseDetector,
+    Guards,
+    RewardFunctionFailed,
+    failures_with_tools,
+    rollback,
+)
 from tracerl.pipeline.preflight import check_start
-from tracerl.types import Rollout, RolloutStatus, Span
+from tracerl.trainer.config import TrainerConfig
+from tracerl.trainer.lead import Leader
+from tracerl.trainer.trainer import Trainer
+from tracerl.types import REWARD_ERROR, Rollout, RolloutStatus, Span
 
 STEADY = BatchStats(sampled_nll=0.8, completion_tokens=20.0, calls=2.0, mixed_groups=0.5)
 
@@ -160,6 +174,15 @@ def test_preflight_names_constant_rewards_errors_and_long_prompts() -> None:
     assert "no variance" in text and "with an error" in text and "context" in text
 
 
+def test_preflight_rewards_leave_out_rollouts_whose_reward_function_raised() -> None:
+    raised = REWARD_ERROR + ":\nTraceback ...\nKeyError: 'x'"
+    rollouts = [_rollout(0, "a", 1.0), _rollout(1, "a", 1.0)]
+    rollouts += [_rollout(2, "a", 0.0).model_copy(update={"reward": None, "error": raised})]
+    report = check_start(rollouts, [], max_context=128, threshold=1.0)
+    assert report.mean_reward == 1.0 and report.mixed_groups == 0.0  # no reward of 0
+    assert report.errors == pytest.approx(1 / 3) and report.groups == 1
+
+
 def test_preflight_tells_wrong_content_from_a_skipped_tool() -> None:
     # Every rollout calls the tool (two model calls); half the answers are wrong anyway.
     rollouts = [_rollout(i, f"t{i // 4}", float(i % 2)) for i in range(8)]
@@ -232,3 +255,108 @@ def test_a_run_collapsing_on_purpose_exports_the_best_checkpoint(
         rolled = [m for m in metrics if "guard/rollback" in m]
         assert rolled and rolled[0]["guard/lr"] == pytest.approx(2.5e-2)
         assert any("rollback:" in w for w in summary.warnings)
+
+
+# ------------------------------------------------- rollback: one way to set the schedule
+
+
+class _Engine:
+    def __init__(self) -> None:
+        self.loaded: list[int] = []
+
+    def load_state_dict(self, state: dict, version: int) -> None:
+        self.loaded.append(version)
+
+
+def _pipeline(trainer: object, tmp_path: Path, step: int = 4) -> SimpleNamespace:
+    """What `rollback` and `Guards` touch of a pipeline: one policy, checkpoints on disk."""
+    checkpoints = Checkpoints(tmp_path / "run", keep=2)
+    saved: list[int] = []
+    p = SimpleNamespace(
+        policies=[SimpleNamespace(name="policy", trainer=trainer, engine=_Engine(), roles=[])],
+        checkpoints=checkpoints, step=step, save_checkpoint=lambda: saved.append(p.step),
+        saved=saved,
+    )  # fmt: skip
+    return p
+
+
+def _fake_leader(loads: list[str]) -> Leader:
+    """Rank 0's handle on data-parallel ranks, without a process group: it records the
+    weights it is asked to load."""
+    leader = Leader.__new__(Leader)
+    leader.trainer = SimpleNamespace(  # type: ignore[assignment]
+        version=4, load_weights=lambda d: loads.append(str(d)), engine_state_dict=dict
+    )
+    return leader
+
+
+def test_rollback_rebuilds_the_schedule_at_its_step_with_the_lower_rate(
+    tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    cfg = TrainerConfig(lr=1e-2, bf16=False, warmup_steps=2, schedule="cosine", total_steps=8)
+    trainer = Trainer(tiny_model_dir, cfg)
+    best = _pipeline(trainer, tmp_path).checkpoints.model_dir(1)
+    trainer.save_model(best)
+    for _ in range(4):  # four optimizer steps into warmup + cosine
+        trainer.optimizer.step()
+        trainer.scheduler.step()
+    trainer.optimizer.state[next(trainer.model.parameters())] = {"exp_avg": torch.ones(1)}
+    pipeline = _pipeline(trainer, tmp_path)
+    lr = rollback(pipeline, 1, 0.5)  # type: ignore[arg-type]
+    # The schedule of the config, at the step it was at, from half the peak rate.
+    assert trainer.scheduler.last_epoch == 4 and trainer.cfg.lr == pytest.approx(5e-3)
+    assert lr == pytest.approx(5e-3 * trainer._lr_factor(4))
+    assert trainer.optimizer.param_groups[0]["lr"] == pytest.approx(lr)
+    trainer.optimizer.step()
+    trainer.scheduler.step()
+    assert trainer.scheduler.get_last_lr()[0] == pytest.approx(5e-3 * trainer._lr_factor(5))
+    assert pipeline.saved == [4] and pipeline.policies[0].engine.loaded == [0]
+
+
+def test_a_data_parallel_run_refuses_rollback_at_the_start_never_mid_step(
+    tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    from tracerl.pipeline.config import TrainConfig
+
+    run = {"model": str(tiny_model_dir), "agent": "a.py:run", "tasks": "t.jsonl"}
+    TrainConfig.model_validate(run | {"cluster": {"trainer_ranks": 2}}).check()
+    with pytest.raises(ValueError, match="data-parallel"):  # `tracerl train` says so first
+        TrainConfig.model_validate(
+            run | {"cluster": {"trainer_ranks": 2}, "guard": {"rollback": True}}
+        ).check()
+    loads: list[str] = []
+    pipeline = _pipeline(_fake_leader(loads), tmp_path)
+    with pytest.raises(ValueError, match="data-parallel"):
+        Guards(GuardConfig(rollback=True), tmp_path, pipeline)  # type: ignore[arg-type]
+    Guards(GuardConfig(rollback=False), tmp_path, pipeline)  # type: ignore[arg-type]
+    # Called anyway, rollback refuses before any checkpoint weights are loaded.
+    with pytest.raises(ValueError, match="data-parallel"):
+        rollback(pipeline, 1, 0.5)  # type: ignore[arg-type]
+    assert loads == [] and pipeline.policies[0].engine.loaded == []
+
+
+def test_reward_function_errors_warn_then_stop_the_run_with_the_traceback(
+    tmp_path: Path,
+) -> None:
+    from tracerl.pipeline.sources import SourceStats
+    from tracerl.pipeline.step import StepReport
+    from tracerl.trainer.trainer import TrainMetrics
+
+    def report(step: int, errors: int, error: str | None) -> StepReport:
+        return StepReport(
+            step=step, reward=0.0, success=0.0, rollouts=4, rows=0, generate_s=0.0,
+            train=TrainMetrics.empty(), curation={},
+            source=SourceStats(reward_errors=errors, reward_error=error),
+        )  # fmt: skip
+
+    pipeline = SimpleNamespace(checkpoints=Checkpoints(tmp_path, keep=2), policies=[])
+    guards = Guards(GuardConfig(max_reward_errors=3), tmp_path, pipeline)  # type: ignore[arg-type]
+    assert guards.on_step(report(1, 0, None))["guard/reward_errors"] == 0
+    trace = (
+        "reward function raised:\nTraceback ...\n  File 'r.py', line 2, in reward\nKeyError: 'x'"
+    )
+    assert guards.on_step(report(2, 2, trace))["guard/reward_errors"] == 2
+    assert any("reward_error" in w and "KeyError: 'x'" in w for w in guards.warned)
+    with pytest.raises(RewardFunctionFailed, match="raised for 3 rollouts") as e:
+        guards.on_step(report(3, 1, trace.replace("KeyError: 'x'", "ValueError: y")))
+    assert "in reward\nValueError: y" in str(e.value)  # the latest traceback, shown whole

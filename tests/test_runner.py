@@ -224,3 +224,39 @@ def test_an_unreachable_remote_store_says_so() -> None:
         port = s.getsockname()[1]
     with pytest.raises(StoreUnavailable, match="unreachable"):
         StoreClient(f"http://127.0.0.1:{port}", timeout=2.0).counts()
+
+
+def _broken_reward(task: dict, answer: str) -> float:
+    """A reward function with a bug: it raises on every answer."""
+    return {"85.0": 1.0}[answer]
+
+
+def test_a_crashing_reward_function_is_no_reward_of_0_and_never_trained(stack) -> None:  # type: ignore[no-untyped-def]
+    from tracerl.algorithms.advantages import GRPO
+    from tracerl.algorithms.rows import rows_for
+    from tracerl.pipeline.sources import read_finished
+    from tracerl.types import Group
+
+    server, store = stack
+    ids = _tasks(store, 2)
+    with ThreadPoolExecutor(4) as threads:
+        agent = load_agent(f"{AGENT}:run", threads)
+        runner = Runner(store, server.url, agent, _broken_reward, RunnerConfig(concurrency=2))
+        asyncio.run(runner.run(until_idle=True))
+    finished = [read_finished(store, store.get_rollout(rid)) for rid in ids]
+    task = store.get_task(finished[0].rollout.task_id)
+    group = Group(id="g", task=task, rollouts=finished)
+    assert rows_for([group], GRPO()) == []  # not trained on as a reward of 0
+    for f in finished:
+        r = f.rollout
+        assert r.status == RolloutStatus.failed and r.reward is None and r.answer == "85"
+        assert not f.has_outcome and r.reward_failed
+        # The user's bug, with its traceback: where it raised, and what.
+        assert "_broken_reward" in (r.error or "") and "KeyError: '85'" in (r.error or "")
+        assert store.spans(r.id)  # the agent's calls are kept in the store
+    # An agent's own failure is still an outcome (trained as a failure).
+    store.add_tasks([Task(id="c", input={"question": "?"}, answer=1)])
+    (crashed,) = store.enqueue(["c"])
+    _run(store, server.url, f"{AGENT}:crash", RunnerConfig(concurrency=1))
+    after = read_finished(store, store.get_rollout(crashed.id))
+    assert after.has_outcome and not after.rollout.reward_failed

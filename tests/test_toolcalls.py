@@ -127,9 +127,11 @@ def test_family_variants() -> None:
     assert parse_reply(hermes, TOOLS).tool_calls == [ADD]
 
 
-# Chat templates in each family's style: a plain conversation, and assistant tool calls
-# spelled the family's way (the detail detection reads).
+# Chat templates in each family's style: the tools, a plain conversation, and assistant tool
+# calls spelled the family's way (the detail detection reads). A template that showed no
+# tools would get the gateway's Hermes rendering instead (test_tool_rendering.py).
 _LOOP = (
+    "{%- if tools -%}{{ '<|system|>' ~ (tools | tojson) ~ '<|end|>' }}{%- endif -%}"
     "{%- for m in messages -%}"
     "{%- if m['role'] == 'assistant' and m['tool_calls'] -%}"
     "{{ '<|assistant|>' }}{%- for c in m['tool_calls'] -%}CALL{%- endfor -%}{{ '<|end|>' }}"

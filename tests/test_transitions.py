@@ -1,11 +1,14 @@
-"""Spans -> training rows: prefix merging, loss masks, log-prob alignment, returns."""
+"""Spans -> training rows: prefix merging, loss masks, log-prob alignment, returns, the
+temperature rows carry, and which of n > 1 choices earn the reward."""
 
 from __future__ import annotations
+
+from pathlib import Path
 
 import pytest
 
 from tracerl.algorithms.transitions import spans_to_transitions
-from tracerl.types import Span
+from tracerl.types import Span, Transition
 
 
 def span(
@@ -148,3 +151,101 @@ def test_spans_of_two_rollouts_are_refused() -> None:
             task_id="t",
         )
     assert spans_to_transitions([], 1.0, group_id="g", task_id="t") == []
+
+
+def test_greedy_calls_make_rows_at_the_temperature_their_logprobs_were_taken_at() -> None:
+    # The engine records a greedy call (T = 0) at T = 1: its row says 1, never 0, and it
+    # merges with a T = 1 call that extends it.
+    greedy = span(0, [1, 2], [10], temperature=0.0)
+    sampled = span(1, [1, 2, 10, 3], [11], temperature=1.0)
+    (row,) = spans_to_transitions([greedy, sampled], 1.0, group_id="g", task_id="t")
+    assert row.temperature == 1.0 and row.num_spans == 2
+    with pytest.raises(ValueError, match="greater than 0"):
+        Transition.model_validate(row.model_dump() | {"temperature": 0.0})
+
+
+def choice(seq: int, prompt: list[int], completion: list[int], call: str, index: int, n: int,
+           content: str = "") -> Span:  # fmt: skip
+    """Choice `index` of a call that returned `n` (as the gateway records n > 1)."""
+    s = span(seq, prompt, completion)
+    response = {
+        "message": {"role": "assistant", "content": content},
+        "choice": {"call": call, "index": index, "of": n},
+    }
+    return s.model_copy(update={"id": f"{call}-{index}", "response": response})
+
+
+def test_only_the_choice_the_conversation_went_on_with_or_returned_earns_the_reward() -> None:
+    p0, tool = [1, 2, 3], [4, 5]
+    first = [choice(i, p0, c, "a", i, 3) for i, c in enumerate([[10], [11], [12]])]
+    p1 = p0 + [11] + tool  # the agent went on with choice 1
+    final = [
+        choice(3, p1, [20, 99], "b", 0, 2, content="84"),
+        choice(4, p1, [21, 99], "b", 1, 2, content="85"),  # ... and returned this one
+    ]
+    spans = first + final
+    (row,) = spans_to_transitions(spans, 1.0, group_id="g", task_id="t", answer=" 85\n")
+    assert row.span_ids == ["a-1", "b-1"] and row.input_ids == p1 + [21, 99]
+    assert row.reward == 1.0
+    # Without the answer the final call's choices are left out too: none was returned.
+    (row,) = spans_to_transitions(spans, 1.0, group_id="g", task_id="t")
+    assert row.span_ids == ["a-1"]
+    # A choice left aside that the agent rewarded itself is trained, on that reward alone.
+    rows = spans_to_transitions(spans, 1.0, {2: 0.5}, group_id="g", task_id="t", answer="85")
+    assert [(r.span_ids, r.reward) for r in rows] == [(["a-1", "b-1"], 1.0), (["a-2"], 0.5)]
+
+
+def test_identical_choices_are_trained_once() -> None:
+    same = [choice(i, [1, 2], [10, 99], "a", i, 2, content="85") for i in range(2)]
+    (row,) = spans_to_transitions(same, 1.0, group_id="g", task_id="t", answer="85")
+    assert row.span_ids == ["a-0"]
+
+
+def _best_of(task: dict, *, base_url: str, api_key: str, model: str) -> str:
+    """Samples 3 first turns and goes on with the last; samples 2 answers, returns the
+    second."""
+    from openai import OpenAI
+
+    client = OpenAI(base_url=base_url, api_key=api_key, max_retries=0)
+    messages: list = [{"role": "user", "content": task["question"]}]
+    first = client.chat.completions.create(model=model, messages=messages, n=3, max_tokens=12)
+    messages += [first.choices[2].message.model_dump(exclude_none=True)]
+    messages += [{"role": "user", "content": "sure?"}]
+    final = client.chat.completions.create(model=model, messages=messages, n=2, max_tokens=12)
+    return final.choices[1].message.content or ""
+
+
+def test_n_choices_recorded_by_the_gateway_train_only_the_kept_ones(
+    tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    from concurrent.futures import ThreadPoolExecutor
+
+    from tracerl.agents import python_agent
+    from tracerl.algorithms.rows import rollout_rows
+    from tracerl.evaluate import run_rollouts
+    from tracerl.pipeline.sources import read_finished
+    from tracerl.stack import start_stack
+    from tracerl.types import Group, Task
+
+    task = Task(id="t", input={"question": "What is 2+2?"})
+    stack = start_stack(tiny_model_dir, tmp_path / "traces.db")
+    try:
+        with ThreadPoolExecutor(2) as threads:
+            (rollout,) = run_rollouts(
+                stack.store, stack.url, python_agent(_best_of, threads),
+                lambda task, answer: 1.0, [task],
+            )  # fmt: skip
+        f = read_finished(stack.store, rollout)
+    finally:
+        stack.close()
+    assert len(f.spans) == 5  # every choice is kept in the store
+    calls = [[s for s in f.spans if s.choice and s.choice.of == n] for n in (3, 2)]
+    assert [[s.choice.index for s in c if s.choice] for c in calls] == [[0, 1, 2], [0, 1]]
+    went_on, returned = calls[0][2], calls[1][1]
+    distinct = {tuple(s.completion_ids) for s in calls[0]} | {
+        tuple(s.completion_ids) for s in calls[1]
+    }
+    assert len(distinct) == 5, "sampled choices happened to coincide"
+    (row,) = rollout_rows(f, Group(id="g", task=task, rollouts=[f]))
+    assert row.span_ids == [went_on.id, returned.id] and row.reward == 1.0
+    assert row.input_ids == returned.prompt_ids + returned.completion_ids

@@ -31,6 +31,7 @@ from tracerl.entrypoints.config import (
     config_errors,
 )
 from tracerl.entrypoints.export import ExportCommand
+from tracerl.entrypoints.models import ModelsCommand
 from tracerl.entrypoints.store import StoreCommand
 
 console = Console()
@@ -60,6 +61,7 @@ class Tracerl(
     dashboard: CliSubCommand[DashboardCommand]
     ctl: CliSubCommand[CtlCommand]
     export: CliSubCommand[ExportCommand]
+    models: CliSubCommand[ModelsCommand]
     assets: CliSubCommand[AssetsCommand]
 
 

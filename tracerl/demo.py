@@ -12,16 +12,13 @@ DemoConfig (`tracerl demo --help`) stays light.
 
 from __future__ import annotations
 
-import fcntl
 import json
-import os
-from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from tracerl.cache import build_lock, cache_dir
 from tracerl.engines.config import EngineConfig
 from tracerl.examples import example_dir, example_file, example_module
 from tracerl.pipeline.config import PipelineConfig, TrainConfig
@@ -42,11 +39,6 @@ __all__ = [
     "example_module",
     "write_calculator_tasks",
 ]
-
-
-def cache_dir() -> Path:
-    """Where built models are kept: $TRACERL_HOME, else ~/.cache/tracerl."""
-    return Path(os.environ.get("TRACERL_HOME", Path.home() / ".cache" / "tracerl"))
 
 
 class CalculatorRecipe(BaseModel):
@@ -126,20 +118,6 @@ def calculator_demos(
     return [Demo.model_validate(d) for d in demos]
 
 
-@contextmanager
-def _build_lock(models: Path, recipe: CalculatorRecipe) -> Iterator[None]:
-    """One builder at a time per seed and shape of a cache (two test sessions, or a demo
-    beside a test run, share the base and skill stages): the second waits, then finds the
-    model built."""
-    models.mkdir(parents=True, exist_ok=True)
-    with open(models / f".build{recipe._shape()}-seed{recipe.seed}.lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(lock, fcntl.LOCK_UN)
-
-
 def ensure_calculator_model(recipe: CalculatorRecipe | None = None, rebuild: bool = False) -> Path:
     """The weak calculator model of `recipe`, built and cached on first use (~6 min)."""
     recipe = recipe or CalculatorRecipe()
@@ -147,7 +125,8 @@ def ensure_calculator_model(recipe: CalculatorRecipe | None = None, rebuild: boo
     out = models / recipe.name()
     if (out / "config.json").exists() and not rebuild:
         return out
-    with _build_lock(models, recipe):
+    # Base, skill and habit stages of one seed and shape share a lock.
+    with build_lock(f"calculator{recipe._shape()}-seed{recipe.seed}"):
         if (out / "config.json").exists() and not rebuild:
             return out
         return _build_calculator_model(recipe, models, out, rebuild)

@@ -91,7 +91,8 @@ class EvalReport(BaseModel):
     reused_fraction: float
     """Share of prompt tokens taken verbatim from the previous call (token-in/token-out)."""
     prefix_breaks: int
-    """Calls that extended nothing reusable though a previous call existed."""
+    """Calls that carried on a conversation (thread) whose earlier ids could not be reused;
+    a call starting a new conversation is none."""
     mean_latency_s: float
     """Gateway-side latency per call."""
     completion_tokens_per_s: float

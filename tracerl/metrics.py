@@ -172,6 +172,7 @@ def step_values(report: StepReport) -> Values:
             "pipeline/stale_dropped": src.stale_dropped,
             "pipeline/stale_requeued": src.stale_requeued,
             "pipeline/pending_groups": src.pending_groups,
+            "pipeline/reward_errors": src.reward_errors,
             "pipeline/rollouts_per_s": report.rollouts / max(report.generate_s + t.wall_s, 1e-9),
         }
         | ({"runner/utilisation": src.utilisation} if src.utilisation is not None else {})

@@ -7,6 +7,11 @@ becomes a failed or timed-out rollout with the error stored; it never stops the 
 the runner process dies, its leases expire and the store re-queues the rollouts for
 another runner.
 
+A reward function that raises is the user's bug, not the agent's failure: the rollout is
+finished `failed` without a reward, its error the reward function's traceback marked as such
+(types.REWARD_ERROR), so it has no outcome and is never trained on (a training run stops
+after `guard.max_reward_errors` of them, showing the traceback).
+
 An attempt during which the gateway found no engine replica in service (it marks the attempt
 with an ENGINE_OUTAGE reward before answering 503) is not finished, whatever the agent made
 of it: an outage is not the policy's doing, and finished as a failure it would be trained
@@ -34,7 +39,7 @@ from tracerl import noise as tool_noise
 from tracerl.agents import AgentFn, AgentResult, RewardFn
 from tracerl.noise import NoiseConfig, NoiseSpec
 from tracerl.store import LeaseLost, Store, StoreError, StoreUnavailable
-from tracerl.types import ENGINE_OUTAGE, Reward, Rollout, RolloutStatus, Task
+from tracerl.types import ENGINE_OUTAGE, REWARD_ERROR, Reward, Rollout, RolloutStatus, Task
 
 log = logging.getLogger(__name__)
 
@@ -178,6 +183,8 @@ class Runner:
             if not beat.done():
                 raise
             return  # the heartbeat found the lease lost: another runner owns it now
+        except RewardFunctionError as e:  # the user's bug: no outcome (types.REWARD_ERROR)
+            status, error = RolloutStatus.failed, str(e)
         except Exception as e:  # the agent's failure is data, not a crash of the pool
             status, error = RolloutStatus.failed, _error_text(e)
         finally:
@@ -254,7 +261,10 @@ class Runner:
             return emitted[-1].value
         if self.reward_fn is None:
             return None
-        return float(self.reward_fn(task.model_dump(), result.answer or ""))
+        try:
+            return float(self.reward_fn(task.model_dump(), result.answer or ""))
+        except Exception as e:  # a value that is no number (None, "1.0!") counts as well
+            raise RewardFunctionError(e) from e
 
     async def _heartbeat(self, rollout: Rollout, run: asyncio.Future[AgentResult]) -> None:
         while True:
@@ -268,6 +278,18 @@ class Runner:
                 return
             except StoreError:
                 continue  # a passing store hiccup; the lease still has time
+
+
+class RewardFunctionError(Exception):
+    """The reward function raised; the text is REWARD_ERROR, then its traceback."""
+
+    def __init__(self, cause: BaseException) -> None:
+        # Its traceback without this module's frame (the call), which tells the user nothing.
+        frames = traceback.extract_tb(cause.__traceback__)[1:]
+        lines = ["Traceback (most recent call last):\n", *traceback.format_list(frames)]
+        lines += traceback.format_exception_only(type(cause), cause)
+        # The end of a long one: where it raised, and what.
+        super().__init__(f"{REWARD_ERROR}:\n{''.join(lines).strip()[-4000:]}")
 
 
 def _error_text(e: BaseException) -> str:

@@ -77,7 +77,7 @@ def _span_node(span: Span, seen: int) -> Tree:
     )
     head = (
         f"call {span.seq} · role {span.role} · {tokens}"
-        f" · {span.latency_s * 1000:.1f} ms · {span.finish_reason}"
+        f" · {span.latency_s * 1000:.1f} ms · {span.finish_reason}{_thread(span)}"
     )
     node = Tree(head)
     for msg in span.messages[seen:]:
@@ -86,6 +86,14 @@ def _span_node(span: Span, seen: int) -> Tree:
     if isinstance(message, dict):
         node.add("[green]" + _message_line(message) + "[/green]")
     return node
+
+
+def _thread(span: Span) -> str:
+    """Which conversation of the rollout the call belongs to (and which it branched from)."""
+    if span.thread_id is None:
+        return ""
+    branched = f" from {span.parent_thread_id[:8]}" if span.parent_thread_id else ""
+    return f" · thread {span.thread_id[:8]}{branched}"
 
 
 def _shown(span: Span, earlier: list[Span]) -> int:

@@ -16,8 +16,10 @@ from typing import Annotated
 from pydantic import BaseModel, ConfigDict, Field, JsonValue, model_validator
 
 __all__ = [
+    "ChoiceOf",
     "FINISHED",
     "HAS_OUTCOME",
+    "REWARD_ERROR",
     "REWARD_LIMIT",
     "SEED_LIMIT",
     "VALID_TRANSITIONS",
@@ -34,6 +36,7 @@ __all__ = [
     "Task",
     "Transition",
     "bounded_reward",
+    "effective_temperature",
 ]
 
 
@@ -90,6 +93,12 @@ FINISHED = frozenset({RolloutStatus.succeeded, RolloutStatus.failed, RolloutStat
 HAS_OUTCOME = frozenset({RolloutStatus.succeeded, RolloutStatus.failed})
 """Final states with an outcome to learn from: the agent answered (rightly or not). A
 timed-out rollout, or one whose attempts all expired, has none and is never trained on."""
+
+REWARD_ERROR = "reward function raised"
+"""How the error of a rollout whose reward function raised begins (its traceback follows).
+That is a bug of the user's reward code, not an outcome of the agent: such a rollout is
+finished `failed` without a reward, kept in the store, and never trained on. (An agent's own
+error starts with its exception's type name, so the two never read alike.)"""
 
 # The lifecycle as data: the store refuses any transition not listed here.
 # running -> queued happens when a runner's lease expires (it died or hung) and the
@@ -150,6 +159,29 @@ class Rollout(_Record):
     seed + k, so two rollouts given one seed draw the same random numbers (the two arms of
     a paired comparison); None: the engine's own generator. Fixed at enqueue."""
 
+    @property
+    def reward_failed(self) -> bool:
+        """Whether its reward function raised (see REWARD_ERROR)."""
+        return self.error is not None and self.error.startswith(REWARD_ERROR)
+
+    @property
+    def has_outcome(self) -> bool:
+        """Whether it has an outcome to learn from: a state in HAS_OUTCOME, and a reward
+        function that did not raise."""
+        return self.status in HAS_OUTCOME and not self.reward_failed
+
+
+class ChoiceOf(_Record):
+    """Which of a call's n > 1 sampled choices a span holds (kept in span.response["choice"];
+    a call of one choice has none)."""
+
+    call: str
+    """The span id of the call's first choice: the same for all its choices."""
+    index: int = Field(ge=0)
+    """The choice's position among the call's choices."""
+    of: int = Field(ge=2)
+    """How many choices the call returned."""
+
 
 class Span(_Record):
     """One model call inside a rollout, recorded token by token by the gateway.
@@ -186,7 +218,8 @@ class Span(_Record):
     finish_reason: str = "stop"
     """'stop' (end token or stop string), 'length' (max_tokens) or 'tool_calls'."""
     temperature: float = 1.0
-    """Sampling temperature the log-probs were taken at."""
+    """Sampling temperature asked for (0: greedy). The log-probs were taken at
+    `effective_temperature` of it: 1 for a greedy call."""
     prefix_reused: int = Field(default=0, ge=0, lt=2**31)
     """How many leading prompt ids were taken verbatim from the previous call of this
     rollout and role (token-in/token-out); 0 for a first call or after a prefix break."""
@@ -199,9 +232,23 @@ class Span(_Record):
     """Wall time from request to response inside the gateway."""
     created_at: float = Field(default_factory=time.time)
     """When the call finished."""
+    thread_id: str | None = None
+    """The conversation (thread) of the rollout this call belongs to: the id of the thread's
+    first span. A call that extends an earlier call's conversation joins its thread; a new
+    conversation starts one. Each thread is its own trajectory for training. None for raw
+    completions and for spans recorded before threads existed."""
+    parent_thread_id: str | None = None
+    """The thread this call's thread branched from (a sub-agent, a compaction, a call naming
+    its parent); None for a thread that starts afresh. Set on every span of the thread."""
     assets: dict[str, int] = Field(default_factory=dict)
     """The assets in its prompt, name -> version (tracerl.assets): what the gateway added to
     the system message before templating; {} when none was."""
+
+    @property
+    def choice(self) -> ChoiceOf | None:
+        """Which of its call's n > 1 choices this span holds; None for a call of one."""
+        raw = self.response.get("choice")
+        return ChoiceOf.model_validate(raw) if raw is not None else None
 
 
 class Reward(_Record):
@@ -274,8 +321,8 @@ class FinishedRollout(_Record):
 
     @property
     def has_outcome(self) -> bool:
-        """Whether it has an outcome to learn from (see HAS_OUTCOME)."""
-        return self.rollout.status in HAS_OUTCOME
+        """Whether it has an outcome to learn from (see Rollout.has_outcome)."""
+        return self.rollout.has_outcome
 
     def success(self, threshold: float) -> bool:
         """Whether it has an outcome and its final reward is at least `threshold`."""
@@ -310,6 +357,14 @@ class PolicyVersion(_Record):
     """Which policy this is a version of."""
     created_at: float = Field(default_factory=time.time)
     """When it was published."""
+
+
+def effective_temperature(temperature: float) -> float:
+    """The temperature a completion's log-probs are taken at: the sampling one, or 1 for a
+    greedy request (T = 0), whose tokens were picked by argmax. The one definition: engines
+    record log-probs at it (tracerl.engines.scoring) and rows carry it to the trainer
+    (tracerl.algorithms.transitions), so neither side ever divides logits by 0."""
+    return temperature if temperature > 0 else 1.0
 
 
 class SamplingParams(_Record):
@@ -378,9 +433,10 @@ class Transition(_Record):
     weight: float = 1.0
     """Loss weight of each sampled token of this row; the algorithm's per-rollout
     normalisation writes it (see tracerl.algorithms.advantages)."""
-    temperature: float = 1.0
-    """Sampling temperature of the row's spans; the trainer takes log-probs at it so the
-    importance ratio compares like with like."""
+    temperature: float = Field(default=1.0, gt=0)
+    """The temperature the row's behaviour log-probs were taken at (`effective_temperature`
+    of its spans': 1 for greedy ones); the trainer takes log-probs at it so the importance
+    ratio compares like with like."""
 
     @model_validator(mode="after")
     def _aligned(self) -> Transition:

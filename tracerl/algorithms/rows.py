@@ -29,6 +29,7 @@ def rollout_rows(f: FinishedRollout, group: Group) -> list[Transition]:
         by_role or None,
         group_id=group.id,
         task_id=group.task.id,
+        answer=f.rollout.answer,
     )
 
 

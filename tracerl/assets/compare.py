@@ -24,7 +24,7 @@ from tracerl.assets.stats import discordant, p_value, success_rate
 from tracerl.evaluate import run_rollouts
 from tracerl.runner import RunnerConfig
 from tracerl.store import Store
-from tracerl.types import HAS_OUTCOME, SEED_LIMIT, Rollout, Task, bounded_reward
+from tracerl.types import SEED_LIMIT, Rollout, Task, bounded_reward
 
 __all__ = ["Arena", "ArmResult", "Outcome", "compare", "pair_key", "pair_seed", "paired", "run_arm"]
 
@@ -128,7 +128,7 @@ def run_arm(
 
 def _outcome(r: Rollout, threshold: float) -> Outcome:
     reward = bounded_reward(r.reward)
-    success = r.status in HAS_OUTCOME and reward >= threshold
+    success = r.has_outcome and reward >= threshold
     return Outcome(rollout_id=r.id, success=success, reward=reward)
 
 

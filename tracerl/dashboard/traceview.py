@@ -20,7 +20,7 @@ from pydantic import BaseModel, JsonValue
 from tracerl.algorithms.advantages import Algorithm
 from tracerl.algorithms.rows import rows_for
 from tracerl.dashboard.queries import RunStore
-from tracerl.types import HAS_OUTCOME, FinishedRollout, Group, Reward, Rollout, Span, Task
+from tracerl.types import FinishedRollout, Group, Reward, Rollout, Span, Task
 
 __all__ = ["CallView", "Decoder", "TokenView", "TraceView", "trace_view"]
 
@@ -155,12 +155,12 @@ def span_advantages(
     store: RunStore, rollout: Rollout, task: Task | None, algorithm: Algorithm
 ) -> dict[str, list[float]]:
     """Span id -> per-token advantages of its sampled tokens, recomputed over its group."""
-    if rollout.status not in HAS_OUTCOME or task is None:
+    if not rollout.has_outcome or task is None:
         return {}
     members = store.group(rollout.group_id) if rollout.group_id else [rollout]
     finished = []
     for r in members:
-        if r.status in HAS_OUTCOME:
+        if r.has_outcome:
             _, _, spans, rewards = store.rollout(r.id)
             finished.append(FinishedRollout(rollout=r, spans=spans, rewards=rewards))
     group = Group(id=rollout.group_id or rollout.id, task=task, rollouts=finished)

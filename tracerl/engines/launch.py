@@ -7,10 +7,11 @@ command starts one (a `ServerCommand`). A `Launcher` says where: by default
 (tracerl.cluster.engines) has Ray start each on a node of its own. Either way a server
 (`ServerProcess`) runs in its own process group, bound to a free port of its machine's
 loopback (or of the node's address on a real cluster), logging to `log_dir`. Keeping them
-in service is supervise.py's: a server whose process exited, or any failed connection, takes
-the replica out of service, and its recovery starts a fresh server (RemoteEngine then loads
-the current weights into it before it takes calls). Every group is killed on close and at
-interpreter exit.
+in service is supervise.py's: a server whose process exited or whose /health answers an
+error (an engine that died under a live HTTP server), or a failed call to a server that no
+longer answers /health, takes the replica out of service, and its recovery starts a fresh
+server (RemoteEngine then loads the current weights into it before it takes calls). Every
+group is killed on close and at interpreter exit.
 """
 
 from __future__ import annotations
@@ -236,7 +237,7 @@ class LaunchedEngine(RemoteEngine):
         # Set before the servers start: their command lines take it.
         self.max_context = int(config.max_position_embeddings)
         self.supervisor = Supervisor(
-            self.name, self._new_server, self._server_exited, cfg.startup_timeout_s
+            self.name, self._new_server, self._server_failed, cfg.startup_timeout_s
         )
         """The servers started here, kept in service (none with `cfg.urls`)."""
         self._own_weights_dir = cfg.weights_dir is None
@@ -286,7 +287,7 @@ class LaunchedEngine(RemoteEngine):
         """The servers started here, by replica index."""
         return self.supervisor.servers
 
-    def _server_exited(self, index: int, why: str) -> None:
+    def _server_failed(self, index: int, why: str) -> None:
         self.replica_failed(self.replicas.replicas[index], why)
 
     def warm_up(self) -> None:

@@ -9,8 +9,10 @@ the sampling distribution at the request's temperature. Cancelling the awaiting 
 closes the HTTP request, which aborts it on the server.
 
 Replicas (tracerl.engines.replicas): calls of one routing key stick to one replica, new keys
-go to the least loaded. A replica whose connection fails is taken out of service, the call
-is retried once on another (with the same seed), or fails with EngineUnavailable; a
+go to the least loaded. A replica whose connection fails, or that answers a server error
+(5xx), and then does not answer /health (a dead server, or a live HTTP server over a dead
+engine) is taken out of service, the call is retried once on another (with the same
+seed), or fails with EngineUnavailable; a
 recovery thread brings the replica back (a subclass restarts its server) and reloads the
 current weights before it takes calls again.
 
@@ -144,6 +146,13 @@ class RemoteEngine:
                 continue
             finally:
                 self.replicas.leave(replica)
+            # A server error from a server whose engine died (vLLM answers 500 over a dead
+            # engine core, and 503 on /health) is the replica's failure, not the call's.
+            if response.status_code >= 500 and not await alive(replica.url):
+                why = f"answered {response.status_code}: {response.text[:200]}"
+                self.replica_failed(replica, why)
+                failed = replica
+                continue
             return self._generation(answer(response), params, version)
         raise EngineUnavailable(f"replica {failed.url if failed else '?'} failed twice")
 

@@ -17,7 +17,7 @@ from pydantic import BaseModel, ConfigDict
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from tracerl.engines.constrained import ConstrainedParams, Grammars, masked
-from tracerl.types import Span
+from tracerl.types import Span, effective_temperature
 
 __all__ = [
     "Constraint",
@@ -43,11 +43,6 @@ def constraint_of(span: Span) -> Constraint | None:
     """The grammar the span's completion was sampled under; None for a free completion."""
     raw = span.response.get("constraint")
     return Constraint.model_validate(raw) if raw is not None else None
-
-
-def effective_temperature(temperature: float) -> float:
-    """The temperature log-probs are taken at: the sampling one, or 1 for greedy (T = 0)."""
-    return temperature if temperature > 0 else 1.0
 
 
 def logprobs_at_temperature(logits_BV: torch.Tensor, temperature_B: torch.Tensor) -> torch.Tensor:

@@ -1,10 +1,13 @@
 """Engine servers kept in service: waited for until healthy, watched for a process that
-exited, replaced on recovery, stopped on close.
+exited or an engine that died, replaced on recovery, stopped on close.
 
 A `Supervisor` holds one engine's servers (launch.py says how one starts: a child process
 here, or a process on a cluster node). Its watch thread notices a server whose process
-exited and reports the replica; the engine's recovery (RemoteEngine.revive) then has the
-supervisor replace that server by a fresh one and waits until it answers /health.
+exited, or whose /health answers with an error while its process lives on (vLLM's API
+server over a dead engine core answers 503 until it shuts down, or for good with
+VLLM_KEEP_ALIVE_ON_ENGINE_DEATH), and reports the replica; the engine's recovery
+(RemoteEngine.revive) then has the supervisor replace that server by a fresh one and waits
+until it answers /health.
 """
 
 from __future__ import annotations
@@ -22,6 +25,11 @@ __all__ = ["Server", "Supervisor", "wait_healthy"]
 
 _WATCH_S = 0.5
 """How often the watch thread looks for servers whose process exited."""
+_PROBE_S = 5.0
+"""How often the watch thread asks each server's /health."""
+_PROBE_TIMEOUT_S = 5.0
+"""How long a /health probe waits: one not answered in time is a busy server, not a dead
+one (only an answer that is an error condemns a server)."""
 
 
 class Server(Protocol):
@@ -51,13 +59,13 @@ class Server(Protocol):
 
 class Supervisor:
     """One engine's servers, by replica index: `start(index)` starts one (not yet ready),
-    `on_exit(index, why)` hears of one whose process exited."""
+    `on_failure(index, why)` hears of one whose process exited or whose /health fails."""
 
     def __init__(
         self,
         name: str,
         start: Callable[[int], Server],
-        on_exit: Callable[[int, str], None],
+        on_failure: Callable[[int, str], None],
         startup_timeout_s: float,
     ) -> None:
         self.name = name
@@ -65,7 +73,7 @@ class Supervisor:
         self.servers: list[Server] = []
         """The servers in service, by replica index."""
         self._start = start
-        self._on_exit = on_exit
+        self._on_failure = on_failure
         self._startup_timeout_s = startup_timeout_s
         self._lock = threading.Lock()  # guards `servers` against close during a restart
         self._stopped = threading.Event()
@@ -84,14 +92,20 @@ class Supervisor:
         threading.Thread(target=self._watch, name=f"{self.name}-watch", daemon=True).start()
 
     def _watch(self) -> None:
-        """Report a replica whose server process exited, even when no call is failing on it."""
-        while not self._stopped.wait(_WATCH_S):
-            with self._lock:
-                servers = list(enumerate(self.servers))
-            for i, server in servers:
-                code = server.exited()
-                if code is not None:
-                    self._on_exit(i, f"exited with code {code}")
+        """Report a replica whose server process exited, or whose /health answers with an
+        error, even when no call is failing on it."""
+        next_probe = time.monotonic() + _PROBE_S
+        with httpx.Client(timeout=_PROBE_TIMEOUT_S) as client:
+            while not self._stopped.wait(_WATCH_S):
+                probe = time.monotonic() >= next_probe
+                if probe:
+                    next_probe = time.monotonic() + _PROBE_S
+                with self._lock:
+                    servers = list(enumerate(self.servers))
+                for i, server in servers:
+                    why = _failure(server, client if probe else None)
+                    if why is not None and not self._stopped.is_set():
+                        self._on_failure(i, why)
 
     def restart(self, index: int) -> str:
         """Replace the server of replica `index` by a fresh one, wait until it is ready, and
@@ -114,6 +128,22 @@ class Supervisor:
             self._stopped.set()
             for server in self.servers:
                 server.stop()
+
+
+def _failure(server: Server, probe: httpx.Client | None) -> str | None:
+    """Why `server` is out of service (its process exited; with `probe`, its /health
+    answered an error), or None. A probe that gets no answer says nothing: the server may
+    be busy, or starting (a replacement listens only once ready), or exiting (seen next)."""
+    code = server.exited()
+    if code is not None:
+        return f"exited with code {code}"
+    if probe is None:
+        return None
+    try:
+        status = probe.get(f"{server.url}/health").status_code
+    except httpx.HTTPError:
+        return None
+    return None if status == 200 else f"/health answered {status} (its engine is dead)"
 
 
 def wait_healthy(server: Server, timeout_s: float) -> None:

@@ -43,6 +43,13 @@ def server_args(
         "--kv-cache-memory-bytes", str(int(cfg.kv_cache_gib * 2**30)),
         "--max-model-len", str(max_context),
         "--max-num-seqs", str(cfg.max_batch_size),
+        # Every prefill whole in one step (vLLM then takes at least max-model-len tokens a
+        # step). A prefill split over steps samples a token it throws away and rolls the
+        # request's seeded generator back by a CUDA generator's offset, which a CPU
+        # generator lacks: on the CPU backend the engine core dies ("CPU Generator does not
+        # use offset") as soon as the prefills of seeded requests (tracerl seeds every
+        # request) outgrow one step.
+        "--no-enable-chunked-prefill",
         # Log-probs of the distribution sampled from (temperature applied), not T = 1's.
         "--logprobs-mode", "processed_logprobs",
         # The model's generation_config.json must not change sampling behind our back.

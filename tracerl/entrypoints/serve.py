@@ -11,7 +11,7 @@ from tracerl.auth import Keys, is_loopback
 from tracerl.entrypoints import quiet_model_loading
 from tracerl.entrypoints.config import ServeCommand
 from tracerl.roles import remote_roles
-from tracerl.stack import start_multi_stack
+from tracerl.stack import LocalStack, start_multi_stack
 
 
 def main(cfg: ServeCommand, console: Console) -> None:
@@ -44,6 +44,8 @@ def main(cfg: ServeCommand, console: Console) -> None:
     console.print(f"gateway: {stack.url}/v1 · per rollout: {stack.url}/rollouts/<id>/v1")
     names = ", ".join(stack.gateway.names)
     console.print(f"models: {names} · store API: {stack.url}/store · file {cfg.store}")
+    for line in _model_lines(stack, models):
+        console.print(line, highlight=False)
     console.print(_keys_line(keys))
     try:
         while stack.server.thread.is_alive():
@@ -52,6 +54,23 @@ def main(cfg: ServeCommand, console: Console) -> None:
         pass
     finally:
         stack.close()
+
+
+def _model_lines(stack: LocalStack, models: dict[str, str | Path]) -> list[str]:
+    """Each local role's context limit and how its tools are rendered, and what a converted
+    model's weights are (its card's note: e.g. a quantized GGUF's, dequantized)."""
+    from tracerl.models.gguf import read_card
+
+    lines = []
+    for name, served in stack.gateway.models.items():
+        rendering = served.prompts.tool_rendering
+        why = " (its chat template has no tool support)" if rendering != "template" else ""
+        lines.append(f"{name}: {served.engine.max_context:,} positions · tools: {rendering}{why}")
+    for path in dict.fromkeys(str(p) for p in models.values()):
+        card = read_card(Path(path))
+        if card is not None:
+            lines.append(f"{path}: {card.note}")
+    return lines
 
 
 def _keys(cfg: ServeCommand) -> Keys:

@@ -13,6 +13,7 @@ from rich.console import Console
 from tracerl.entrypoints import quiet_model_loading
 from tracerl.entrypoints.config import TrainCommand, config_errors
 from tracerl.pipeline.config import TrainConfig
+from tracerl.pipeline.guards import RewardFunctionFailed
 from tracerl.pipeline.run import load_run_config, train
 
 
@@ -80,5 +81,8 @@ def resolve(cmd: TrainCommand) -> TrainConfig:
 def main(cmd: TrainCommand, console: Console) -> None:
     """Train (or resume), then print the run's summary."""
     quiet_model_loading()
-    summary = train(resolve(cmd), resume=cmd.resume is not None)
+    try:
+        summary = train(resolve(cmd), resume=cmd.resume is not None)
+    except RewardFunctionFailed as e:  # the user's reward code: its traceback, not ours
+        raise SystemExit(f"tracerl train: {e}") from None
     console.print(summary.model_dump_json(indent=2))

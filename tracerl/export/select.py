@@ -65,6 +65,7 @@ def _rows(spans: list[Span], rollout: Rollout, rewards: list[Reward]) -> list[Tr
         roles or None,
         group_id=rollout.group_id or "",
         task_id=rollout.task_id,
+        answer=rollout.answer,
     )
 
 

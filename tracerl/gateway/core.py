@@ -30,18 +30,20 @@ from tracerl.gateway.assets import AssetContext
 from tracerl.gateway.chat import ChatRequest, CompletionRequest
 from tracerl.gateway.distill import StudentEncoder
 from tracerl.gateway.errors import GatewayError, invalid
-from tracerl.gateway.histories import Histories
+from tracerl.gateway.histories import Histories, text_turns
 from tracerl.gateway.prompting import (
     chat_prompt,
     completion_ids,
     inline_ids,
     request_messages,
+    thread_prompt,
     tool_dicts,
 )
-from tracerl.gateway.record import Call, SpanRecorder
+from tracerl.gateway.record import Call, SpanRecorder, span_ids
 from tracerl.gateway.remote import RemoteError, RemoteModel
 from tracerl.gateway.served import Choice, Pending, Served, ServedModel, decode
 from tracerl.gateway.sessions import Record, Sessions
+from tracerl.gateway.threads import Thread, place
 from tracerl.gateway.tito import Prompt
 from tracerl.gateway.toolcalls import parse_reply
 from tracerl.gateway.toolcalls.enforce import constrained
@@ -178,17 +180,31 @@ class Gateway:
         rollout = await self.recorder.rollout(target)
         parent_id = await self.recorder.parent(rollout, parent)
         req, assets = await self.context.chat(req, role, rollout)
-        # A sub-agent of the same role as its parent (a planner calling a planner) has its
-        # own conversation: keying by parent keeps the parent's token history intact.
-        key = (rollout.id, rollout.attempt, role, parent_id) if rollout else None
-        prev = self.histories.get(key) if key else None
-        messages, tools, prompt = await self._tokenize(chat_prompt, served, req, prev)
+        span_id = uuid.uuid4().hex
+        thread = None
+        if rollout is None:
+            key = None
+            messages, tools, prompt = await self._tokenize(chat_prompt, served, req, None)
+        else:
+            # A sub-agent of the same role as its parent (a planner calling a planner) has
+            # its own conversations: keying by parent keeps the parent's threads intact.
+            key = (rollout.id, rollout.attempt, role, parent_id)
+            threads, named = self._threads(rollout, parent_id)
+            messages, tools, prompt, thread = await self._tokenize(
+                thread_prompt, served, req, key, threads, span_id, named
+            )
         params = self._params(served, len(prompt.ids), req.token_limit(), req)
         params = await self._tokenize(constrained, served, req, tools, params)
         return Pending(
-            served, req.model, rollout, parent_id, key, messages, tools, prompt, params, req.n,
-            "chatcmpl", uuid.uuid4().hex, assets,
+            served, req.model, rollout, parent_id, key, thread, messages, tools, prompt, params,
+            req.n, "chatcmpl", span_id, assets,
         )  # fmt: skip
+
+    def _threads(self, rollout: Rollout, parent_id: str | None) -> tuple[list[Thread], str | None]:
+        """The attempt's threads (most recently used first) and the thread of the parent
+        span a call names, for threads.place."""
+        threads = self.histories.threads(rollout.id, rollout.attempt)
+        return threads, self.histories.thread_of(rollout.id, rollout.attempt, parent_id)
 
     async def count_tokens(self, req: ChatRequest) -> int:
         """How many tokens the request's prompt holds, rendered afresh (nothing sampled)."""
@@ -217,14 +233,16 @@ class Gateway:
         choices = [self._choice(p.served, i, g, p.tools, chat) for i, g in enumerate(gens)]
         span_id = p.span_id
         if p.rollout is not None:
-            if p.key is not None:
-                self.histories.remember(p.key, p.messages, p.tools, p.prompt, choices)
+            if p.key is not None and p.thread is not None:
+                ids = span_ids(span_id, len(choices))
+                self.histories.remember(p.key, p.thread, p.messages, p.tools, p.prompt,
+                                        choices, ids)  # fmt: skip
             role = p.served.name
             # What the engine's grammar allowed once complete, for re-scoring.
             engine = p.served.engine
             eos = getattr(engine, "grammar_eos_token_ids", engine.eos_token_ids)
             call = Call(span_id, role, p.parent_id, p.messages, p.prompt, p.params, latency, eos,
-                        p.assets)  # fmt: skip
+                        p.thread, p.assets)  # fmt: skip
             await self.recorder.record(p.rollout, call, choices)
         return Served(
             id=f"{p.kind}-{span_id}",
@@ -249,27 +267,34 @@ class Gateway:
         req, assets = await self.context.chat(req, role, rollout)
         messages = request_messages(req)
         student = self._students.get(role) if rollout is not None else None
-        key = (rollout.id, rollout.attempt, role, parent_id) if rollout else None
         tools = tool_dicts(req.tools)
         prompt = Prompt([])
-        if student is not None and key is not None:
-            prev = self.histories.get(key)
-            prompt = await self._tokenize(student.prompts.build, messages, tools, prev)
+        span_id = uuid.uuid4().hex
+        thread = key = None
+        if rollout is not None:
+            key = (rollout.id, rollout.attempt, role, parent_id)
+            threads, named = self._threads(rollout, parent_id)
+            thread = await self._tokenize(place, messages, tools, key, threads, span_id, named)
+        if student is not None and thread is not None:
+            prompt = await self._tokenize(student.prompts.build, messages, tools, thread.prev)
         started = time.perf_counter()
         try:
             body = await remote.chat(req.model_dump(mode="json", exclude_unset=True))
         except RemoteError as e:
             raise GatewayError(e.status, e.message, "server_error", code=e.code) from None
         latency = time.perf_counter() - started
-        span_id = uuid.uuid4().hex
-        if rollout is not None:
+        if rollout is not None and key is not None and thread is not None:
             params = SamplingParams(temperature=req.temperature)
-            call = Call(span_id, role, parent_id, messages, prompt, params, latency, [], assets)
-            if student is None or key is None:
+            call = Call(span_id, role, parent_id, messages, prompt, params, latency, [], thread,
+                        assets)  # fmt: skip
+            ids = span_ids(span_id, len(body["choices"]))
+            if student is None:
+                turns, pending = text_turns(body)
+                self.histories.remember_turns(key, thread, messages, tools, turns, pending, ids)
                 await self.recorder.record_text(rollout, call, body)
             else:
                 choices = await self._tokenize(student.choices, messages, tools, body)
-                self.histories.remember(key, messages, tools, prompt, choices)
+                self.histories.remember(key, thread, messages, tools, prompt, choices, ids)
                 await self.recorder.record(rollout, call, choices)
         return {**body, "id": f"chatcmpl-{span_id}", "model": req.model}
 
@@ -293,7 +318,7 @@ class Gateway:
             ids = await self._tokenize(completion_ids, served, req.prompt)
         params = self._params(served, len(ids), req.max_tokens, req)
         return Pending(
-            served, req.model, rollout, parent_id, None, [], None, Prompt(ids=ids), params,
+            served, req.model, rollout, parent_id, None, None, [], None, Prompt(ids=ids), params,
             req.n, "cmpl", uuid.uuid4().hex,
         )  # fmt: skip
 

@@ -21,6 +21,7 @@ from tracerl.gateway.chat import Message, normalize_message
 from tracerl.gateway.served import Choice, decode
 from tracerl.gateway.tito import PromptBuilder
 from tracerl.gateway.toolcalls import Reasoning, parse_reply, tool_format
+from tracerl.gateway.toolcalls.hermes import HERMES
 from tracerl.roles import ReplyFormat
 from tracerl.types import Generation
 
@@ -38,7 +39,9 @@ class StudentEncoder:
         self.prompts = PromptBuilder(self.tokenizer)
         """Builds the prompt ids, reusing the previous call's ids as a local model's are."""
         template = self.tokenizer.chat_template
-        self.format = tool_format(reply.tool_parser, template)
+        # A template that ignores tools gets them the Hermes way (tool_rendering.py).
+        fallback = self.prompts.tool_rendering == "hermes-fallback" and not reply.tool_parser
+        self.format = HERMES if fallback else tool_format(reply.tool_parser, template)
         """How the student writes tool calls (to read the encoded reply back)."""
         self.reasoning = Reasoning(*reply.thinking) if reply.thinking else None
         """The student's reasoning markers, when set (split off the encoded reply)."""

@@ -7,6 +7,7 @@ from __future__ import annotations
 from tracerl.gateway.chat import ChatRequest, Message, ToolSpec, normalize_message
 from tracerl.gateway.errors import GatewayError
 from tracerl.gateway.served import ServedModel
+from tracerl.gateway.threads import HistoryKey, Placement, Thread, place
 from tracerl.gateway.tito import History, Prompt
 
 __all__ = [
@@ -15,6 +16,7 @@ __all__ = [
     "completion_ids",
     "inline_ids",
     "request_messages",
+    "thread_prompt",
     "tool_dicts",
 ]
 
@@ -30,8 +32,30 @@ def chat_prompt(
     """The request's canonical messages and tools, and its prompt ids (extending `prev`)."""
     messages = request_messages(req)
     tools = tool_dicts(req.tools)
+    return messages, tools, _build(served, messages, tools, prev)
+
+
+def thread_prompt(
+    served: ServedModel,
+    req: ChatRequest,
+    key: HistoryKey,
+    threads: list[Thread],
+    new_id: str,
+    named_parent: str | None,
+) -> tuple[list[Message], list[dict] | None, Prompt, Placement]:
+    """A rollout's chat call: its messages and tools, its thread (threads.py) and its prompt
+    ids, extending the thread's last call when it carries it on."""
+    messages = request_messages(req)
+    tools = tool_dicts(req.tools)
+    placement = place(messages, tools, key, threads, new_id, named_parent)
+    return messages, tools, _build(served, messages, tools, placement.prev), placement
+
+
+def _build(
+    served: ServedModel, messages: list[Message], tools: list[dict] | None, prev: History | None
+) -> Prompt:
     try:
-        return messages, tools, served.prompts.build(messages, tools, prev)
+        return served.prompts.build(messages, tools, prev)
     except GatewayError:
         raise
     except Exception as e:  # a template that cannot render this conversation

@@ -8,7 +8,9 @@ so an attempt's calls are numbered in order however many are in flight, and howe
 gateway processes serve it; nothing here keeps a count that another process could reuse.
 
 The response id names the spans: a completion `chatcmpl-<hex>` (or `cmpl-<hex>`) records
-its first choice as span `<hex>` and choice i > 0 as `<hex>-<i>`. Agents that nest (a
+its first choice as span `<hex>` and choice i > 0 as `<hex>-<i>`; with n > 1 each span's
+response also says which choice of the call it holds (types.ChoiceOf), so credit goes only
+to the choice the agent went on with (tracerl.algorithms.transitions). Agents that nest (a
 planner that runs an executor sub-agent) pass that id as the sub-agent's parent; it is
 stored as the sub-agent's spans' `parent_span_id`.
 """
@@ -28,10 +30,12 @@ from typing import Any, TypeVar
 from tracerl.gateway.chat import Message, wire_message
 from tracerl.gateway.errors import GatewayError
 from tracerl.gateway.served import Choice
+from tracerl.gateway.threads import Placement
 from tracerl.gateway.tito import Prompt
 from tracerl.store import LeaseLost, NotFound, Store, StoreError
 from tracerl.types import (
     ENGINE_OUTAGE,
+    ChoiceOf,
     Reward,
     Rollout,
     RolloutStatus,
@@ -39,7 +43,7 @@ from tracerl.types import (
     Span,
 )
 
-__all__ = ["Call", "SpanRecorder"]
+__all__ = ["Call", "SpanRecorder", "span_ids"]
 
 T = TypeVar("T")
 
@@ -64,6 +68,8 @@ class Call:
     """Seconds the engine took."""
     eos_token_ids: list[int] = field(default_factory=list)
     """The engine's end tokens (what a grammar allows once complete, for re-scoring)."""
+    thread: Placement | None = None
+    """The call's thread (threads.py); None for raw completions."""
     assets: dict[str, int] = field(default_factory=dict)
     """The assets in its prompt, name -> version (gateway/assets.py)."""
 
@@ -137,7 +143,7 @@ class SpanRecorder:
         """One span per choice of a call the engine served (token ids and log-probs)."""
 
         ordered = sorted(choices, key=lambda c: c.index)  # the store numbers them in this order
-        await self._write(rollout, [_span(rollout, call, c) for c in ordered])
+        await self._write(rollout, [_span(rollout, call, c, len(choices)) for c in ordered])
 
     async def outage(self, rollout: Rollout) -> None:
         """Mark `rollout`'s attempt as having met an engine outage (types.ENGINE_OUTAGE);
@@ -200,10 +206,20 @@ def _span_id(response_id: str) -> str:
     return response_id
 
 
-def _span(rollout: Rollout, call: Call, c: Choice) -> Span:
-    """Choice `c`'s span; its seq is a placeholder the store replaces (append_spans)."""
+def span_ids(span_id: str, n: int) -> list[str]:
+    """The spans of a call's n choices (see _choice_span)."""
+    return [_choice_span(span_id, i) for i in range(n)]
+
+
+def _choice_span(span_id: str, i: int) -> str:
+    """Choice 0's span is `span_id` (the response id's), choice i > 0's `<span_id>-<i>`."""
+    return span_id if i == 0 else f"{span_id}-{i}"
+
+
+def _span(rollout: Rollout, call: Call, c: Choice, n: int) -> Span:
+    """Choice `c` of `n`'s span; its seq is a placeholder the store replaces (append_spans)."""
     return Span.model_construct(
-        id=call.span_id if c.index == 0 else f"{call.span_id}-{c.index}",
+        id=_choice_span(call.span_id, c.index),
         rollout_id=rollout.id,
         attempt=rollout.attempt,
         seq=c.index,
@@ -213,7 +229,7 @@ def _span(rollout: Rollout, call: Call, c: Choice) -> Span:
         completion_ids=c.gen.completion_ids,
         logprobs=c.gen.logprobs,
         messages=call.messages,
-        response=_response(call, c),
+        response=_response(call, c, n),
         finish_reason=c.finish_reason,
         temperature=call.params.temperature,
         prefix_reused=call.prompt.reused,
@@ -221,17 +237,25 @@ def _span(rollout: Rollout, call: Call, c: Choice) -> Span:
         parent_span_id=call.parent_id,
         latency_s=call.latency,
         created_at=time.time(),
+        thread_id=call.thread.thread_id if call.thread else None,
+        parent_thread_id=call.thread.parent_thread_id if call.thread else None,
         assets=call.assets,
     )
 
 
-def _response(call: Call, c: Choice) -> dict[str, Any]:
-    """The reply as the span keeps it; a constrained call also keeps its grammar, since its
-    log-probs are those of the grammar-masked distribution (engines.scoring re-applies it)."""
+def _response(call: Call, c: Choice, n: int) -> dict[str, Any]:
+    """The reply as the span keeps it, with how the request's tools were rendered when it
+    had any (tool_rendering.py); a constrained call also keeps its grammar, since its
+    log-probs are those of the grammar-masked distribution (engines.scoring re-applies it),
+    and one of n > 1 choices which it is (types.ChoiceOf)."""
     response: dict[str, Any] = {
         "message": wire_message(c.reply, c.call_ids),
         "finish_reason": c.finish_reason,
     }
+    if n > 1:
+        response["choice"] = ChoiceOf(call=call.span_id, index=c.index, of=n).model_dump()
+    if call.prompt.tool_rendering is not None:  # how the request's tools reached the model
+        response["tool_rendering"] = call.prompt.tool_rendering
     grammar = getattr(call.params, "grammar", None)
     if grammar:
         response["constraint"] = {"grammar": grammar, "eos_token_ids": call.eos_token_ids}
@@ -242,7 +266,7 @@ def _text_span(rollout: Rollout, call: Call, i: int, choice: dict[str, Any]) -> 
     """A remote role's choice `i` as a text-only span (seq: a placeholder, as in _span)."""
     finish = str(choice.get("finish_reason") or "stop")
     return Span(
-        id=call.span_id if i == 0 else f"{call.span_id}-{i}",
+        id=_choice_span(call.span_id, i),
         rollout_id=rollout.id,
         attempt=rollout.attempt,
         seq=i,
@@ -257,5 +281,7 @@ def _text_span(rollout: Rollout, call: Call, i: int, choice: dict[str, Any]) -> 
         temperature=call.params.temperature,
         parent_span_id=call.parent_id,
         latency_s=call.latency,
+        thread_id=call.thread.thread_id if call.thread else None,
+        parent_thread_id=call.thread.parent_thread_id if call.thread else None,
         assets=call.assets,
     )

@@ -7,6 +7,7 @@ them in each wire format.
 
 from __future__ import annotations
 
+import logging
 import re
 from dataclasses import dataclass, field
 
@@ -14,14 +15,15 @@ from transformers import PreTrainedTokenizerBase
 
 from tracerl.engines.base import Engine
 from tracerl.gateway.chat import Message, ParsedReply
+from tracerl.gateway.threads import HistoryKey, Placement
 from tracerl.gateway.tito import Prompt, PromptBuilder
 from tracerl.gateway.toolcalls import Reasoning, ToolFormat, detect_reasoning, tool_format
+from tracerl.gateway.toolcalls.hermes import HERMES
 from tracerl.types import Generation, Rollout, SamplingParams
 
 __all__ = ["Choice", "Pending", "Served", "ServedModel", "decode"]
 
-HistoryKey = tuple[str, int, str, str | None]
-"""(rollout id, attempt, role, parent span id): one agent's conversation with one model."""
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -56,7 +58,7 @@ class ServedModel:
         self.vocab_size = len(self.tokenizer)
         self.prompts = PromptBuilder(self.tokenizer)
         template = self.tokenizer.chat_template
-        self.tool_format = tool_format(self.tool_parser, template)
+        self.tool_format = self._tool_format(template)
         self.reasoning = self._reasoning(template)
         # Special tokens other than the format's markers never reach the agent's text.
         keep = set(self.tool_format.markers)
@@ -65,6 +67,20 @@ class ServedModel:
         hidden = [t for t in self.tokenizer.all_special_tokens if t not in keep]
         if hidden:
             self._special = re.compile("|".join(re.escape(t) for t in hidden))
+
+    def _tool_format(self, template: object) -> ToolFormat:
+        """The configured format, else the template's; Hermes for a template that ignores
+        tools, since the gateway then renders them the Hermes way (tool_rendering.py)."""
+        if self.prompts.tool_rendering == "template":
+            return tool_format(self.tool_parser, template)
+        if self.tool_parser not in (None, HERMES.name):
+            raise ValueError(
+                f"{self.name}: its chat template ignores tools, so the gateway renders them "
+                f"the Hermes way and parses Hermes calls; tool_parser {self.tool_parser!r} "
+                "cannot read those (leave it unset, or set hermes)"
+            )
+        log.info("%s: its chat template ignores tools; rendering them the Hermes way", self.name)
+        return HERMES
 
     def _reasoning(self, template: object) -> Reasoning | None:
         if self.thinking is not None:
@@ -102,7 +118,9 @@ class Pending:
     parent_id: str | None
     """The span of the agent that spawned the caller, if any."""
     key: HistoryKey | None
-    """Its conversation's token-history key (chat calls under a rollout), else None."""
+    """Its agent's token-history key (chat calls under a rollout), else None."""
+    thread: Placement | None
+    """Its thread (chat calls under a rollout), else None."""
     messages: list[Message]
     """Canonical messages ([] for raw completions)."""
     tools: list[dict] | None

@@ -3,10 +3,11 @@
 Re-tokenizing a whole conversation on every turn silently changes what the policy is
 trained on (BPE merges across turn boundaries, JSON re-serialised by the template,
 special tokens the model sampled but the template spells differently). So when a request
-extends the previous request of the same rollout, role and parent agent — earlier messages unchanged,
-then the assistant message we returned, then new messages — the prompt is the previous
-prompt ids + the sampled completion ids + the tokens of the new suffix alone. When that
-does not hold, the whole prompt is tokenized afresh and the reason is recorded on the span.
+extends the previous request of its thread (the conversation it carries on, threads.py) —
+earlier messages unchanged, then the assistant message we returned, then new messages — the
+prompt is the previous prompt ids + the sampled completion ids + the tokens of the new
+suffix alone. When that does not hold, the whole prompt is tokenized afresh and the reason
+is recorded on the span.
 """
 
 from __future__ import annotations
@@ -17,6 +18,12 @@ from typing import Any
 from transformers import PreTrainedTokenizerBase
 
 from tracerl.gateway.chat import Message, same_turn
+from tracerl.gateway.tool_rendering import (
+    ToolRendering,
+    hermes_messages,
+    probe_rendering,
+    uses_tools,
+)
 
 
 @dataclass
@@ -33,7 +40,7 @@ class Turn:
 
 @dataclass
 class History:
-    """The previous request of one (rollout, attempt, role)."""
+    """The previous request of one thread (a conversation of one agent of an attempt)."""
 
     messages: list[Message]
     """Canonical messages of the previous request."""
@@ -53,6 +60,8 @@ class Prompt:
     """Leading ids taken verbatim from the previous call."""
     prefix_break: str | None = None
     """Why reuse failed, when there was a previous call to reuse."""
+    tool_rendering: ToolRendering | None = None
+    """How the request's tools, calls and results were rendered; None when it had none."""
 
 
 def _compile(tokenizer: PreTrainedTokenizerBase) -> Any:
@@ -84,9 +93,18 @@ class PromptBuilder:
         self._specials = {
             k: v for k, v in tokenizer.special_tokens_map.items() if isinstance(v, str)
         }
+        self.tool_rendering: ToolRendering = probe_rendering(self._render)
+        """How tools reach this template's prompts (tool_rendering.py)."""
 
     def render(self, messages: list[Message], tools: list[dict] | None, gen: bool) -> str:
-        """The chat template's text for messages (with the assistant header when gen)."""
+        """The chat template's text for messages (with the assistant header when gen); for a
+        template that ignores tools, of the messages with their tools rewritten the Hermes
+        way."""
+        if self.tool_rendering == "hermes-fallback" and uses_tools(messages, tools):
+            return self._render(hermes_messages(messages, tools), None, gen)
+        return self._render(messages, tools, gen)
+
+    def _render(self, messages: list[Message], tools: list[dict] | None, gen: bool) -> str:
         if self._compiled is not None:
             # Canonical messages are plain JSON already, so the template is rendered
             # directly: apply_chat_template's defensive copies cost as much as the render.
@@ -118,16 +136,18 @@ class PromptBuilder:
     ) -> Prompt:
         """Prompt ids for a request, extending `prev` when the request extends it."""
         full = self.render(messages, tools, gen=True)
+        rendering = self.tool_rendering if uses_tools(messages, tools) else None
         if prev is None:
-            return Prompt(ids=self.encode(full))
-        turn, reason = self._match(messages, tools, prev)
+            return Prompt(ids=self.encode(full), tool_rendering=rendering)
+        turn, reason = match_turn(messages, tools, prev)
         if turn is None:
-            return Prompt(ids=self.encode(full), prefix_break=reason)
+            return Prompt(ids=self.encode(full), prefix_break=reason, tool_rendering=rendering)
         k = len(prev.messages) + 1
         before = self.render(messages[:k], tools, gen=False)
         cut = before.rfind(self.eos_text)
         if cut < 0 or not full.startswith(before):
-            return Prompt(ids=self.encode(full), prefix_break="template drift")
+            drift = "template drift"
+            return Prompt(ids=self.encode(full), prefix_break=drift, tool_rendering=rendering)
         # The suffix starts right after the end token that closed our assistant turn, so
         # whatever the template writes after it (a newline, the next role header) is
         # tokenized with the new messages; a boundary after a special token is clean.
@@ -135,21 +155,25 @@ class PromptBuilder:
         # A completion cut by max_tokens never sampled its end token: the template's end
         # token is appended as context (the loss mask comes from the span, not from here).
         head = turn.ids if turn.end == "eos" else [*turn.ids, self.eos_id]
-        return Prompt(ids=head + self.encode(suffix), reused=len(turn.ids))
+        ids = head + self.encode(suffix)
+        return Prompt(ids=ids, reused=len(turn.ids), tool_rendering=rendering)
 
-    def _match(
-        self, messages: list[Message], tools: list[dict] | None, prev: History
-    ) -> tuple[Turn | None, str]:
-        k = len(prev.messages)
-        if tools != prev.tools:
-            return None, "tools changed"
-        if len(messages) <= k + 1 or messages[:k] != prev.messages:
-            return None, "edited history"
-        for turn in prev.turns:
-            if same_turn(turn.reply, messages[k]):
-                # The agent never saw the stop string the model sampled; reusing those ids
-                # would put text in the context that the conversation does not hold.
-                if turn.end == "stop_string":
-                    return None, "stop string"
-                return turn, ""
-        return None, "assistant message changed"
+
+def match_turn(
+    messages: list[Message], tools: list[dict] | None, prev: History
+) -> tuple[Turn | None, str]:
+    """The returned choice a request carries on from, with its ids reusable; else None and
+    why not (the reason a span records as its prefix break)."""
+    k = len(prev.messages)
+    if tools != prev.tools:
+        return None, "tools changed"
+    if len(messages) <= k + 1 or messages[:k] != prev.messages:
+        return None, "edited history"
+    for turn in prev.turns:
+        if same_turn(turn.reply, messages[k]):
+            # The agent never saw the stop string the model sampled; reusing those ids
+            # would put text in the context that the conversation does not hold.
+            if turn.end == "stop_string":
+                return None, "stop string"
+            return turn, ""
+    return None, "assistant message changed"

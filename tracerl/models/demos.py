@@ -10,6 +10,7 @@ Examples that already are ids (`EncodedDemo`) are used as they are.
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import warnings
 from collections.abc import Sequence
@@ -19,6 +20,7 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field, JsonValue, ValidationError
 from transformers import PreTrainedTokenizerBase
 
+from tracerl.gateway.tito import PromptBuilder
 from tracerl.jsonl import read_objects
 
 __all__ = [
@@ -93,28 +95,34 @@ def _dict_arguments(message: dict[str, JsonValue]) -> dict[str, JsonValue]:
     return {**message, "tool_calls": fixed}
 
 
-def _render(tokenizer: PreTrainedTokenizerBase, messages: list, tools: list, gen: bool) -> str:
-    text = tokenizer.apply_chat_template(
-        messages, tools=tools or None, tokenize=False, add_generation_prompt=gen
-    )
-    assert isinstance(text, str)
-    return text
+@functools.lru_cache(maxsize=8)
+def _builder(tokenizer: PreTrainedTokenizerBase) -> PromptBuilder:
+    """The gateway's renderer for this tokenizer: demos are rendered as the gateway renders
+    requests (a template that ignores tools gets them the Hermes way), so SFT trains on the
+    prompts the served model will see."""
+    return PromptBuilder(tokenizer)
 
 
 def _segments(tokenizer: PreTrainedTokenizerBase, demo: Demo) -> list[tuple[str, bool]]:
-    """The rendered conversation cut into (text, is_assistant_turn) pieces."""
+    """The rendered conversation cut into (text, is_assistant_turn) pieces, cut only where
+    an assistant turn starts and ends (where the gateway's token-in/token-out cuts too)."""
+    builder = _builder(tokenizer)
     messages = [_dict_arguments(m) for m in demo.messages]
+    tools = list(demo.tools) or None
     pieces: list[tuple[str, bool]] = []
     done = ""
     for i, message in enumerate(messages):
-        is_assistant = message.get("role") == "assistant"
-        if is_assistant:  # the generation prompt belongs to the prompt, not the completion
-            prompt = _render(tokenizer, messages[:i], demo.tools, gen=True)
-            pieces.append((_suffix(done, prompt), False))
-            done = prompt
-        full = _render(tokenizer, messages[: i + 1], demo.tools, gen=False)
-        pieces.append((_suffix(done, full), is_assistant))
+        if message.get("role") != "assistant":
+            continue
+        # The generation prompt belongs to the prompt, not the completion.
+        prompt = builder.render(messages[:i], tools, True)
+        pieces.append((_suffix(done, prompt), False))
+        full = builder.render(messages[: i + 1], tools, False)
+        pieces.append((_suffix(prompt, full), True))
         done = full
+    whole = builder.render(messages, tools, False)
+    if whole != done:  # messages after the last assistant turn (never trained on)
+        pieces.append((_suffix(done, whole), False))
     return pieces
 
 

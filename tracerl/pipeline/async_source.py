@@ -7,6 +7,16 @@ rollout neither blocks the others nor starves), and never trains on a rollout sa
 policy older than current - max_staleness: such a rollout is dropped, or its task re-run in
 the same group (`stale`).
 
+A batch gives up (`NoBatch`) when curation dropped `max_topups` x tasks_per_step groups and
+kept none (as sync mode does after its top-ups), or when `interrupt()` says a stop was asked
+while it waited; the groups it had taken are then pending again, so nothing is lost.
+
+A stale rollout whose task is re-run stays in the store under its group, beside its
+replacement; which rollouts were replaced is appended to the `journal` (the run dir's
+replaced.jsonl) before the replacement is queued. A resumed source reads it back, so every
+group, pending at the checkpoint or issued after it, leaves its replaced rollouts out and
+keeps its size.
+
 Threads: the trainer thread calls `batch`; the source's thread runs the runner's event
 loop and issues groups. `_lock` guards what both touch (pending groups, dirty ids).
 """
@@ -14,20 +24,26 @@ loop and issues groups. `_lock` guards what both touch (pending groups, dirty id
 from __future__ import annotations
 
 import asyncio
+import json
+import os
 import threading
 import time
 from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Literal
 
 from tracerl.algorithms.curation import Curation
 from tracerl.pipeline.sources import (
     Agents,
     Enqueue,
+    NoBatch,
     SourceState,
     SourceStats,
     TaskOrder,
     issue_group,
+    never,
+    no_signal,
     plain_enqueue,
     read_finished,
 )
@@ -57,6 +73,7 @@ class AsyncSource:
     does not run far ahead of training: at most (max_staleness + 1) x tasks_per_step groups
     are pending at once (the same bound that keeps most rollouts within the staleness
     limit); `window` is how many of the oldest pending groups the trainer may pick from.
+    `journal` is where replaced stale rollouts are recorded (None: in memory only).
     """
 
     def __init__(
@@ -73,6 +90,8 @@ class AsyncSource:
         max_attempts: int = 3,
         poll_s: float = 0.02,
         trained_roles: Collection[str] | None = None,
+        max_topups: int = 3,
+        journal: Path | None = None,
         enqueue: Enqueue = plain_enqueue,
     ) -> None:
         self.run, self.store, self.order, self.curation = run, store, order, curation
@@ -82,7 +101,11 @@ class AsyncSource:
         self.version, self.max_staleness, self.stale = version, max_staleness, stale
         self.limit = (max_staleness + 1) * order.per_step
         self.window = min(window or 2 * order.per_step, self.limit)
-        self.max_attempts, self.poll_s = max_attempts, poll_s
+        self.max_attempts, self.poll_s, self.max_topups = max_attempts, poll_s, max_topups
+        self.interrupt: Callable[[], bool] = never
+        self.journal = journal
+        self._replaced = _read_journal(journal)
+        """Group id -> its rollouts replaced as stale, as the journal holds them."""
         self.stats = SourceStats()
         self.issued = 0
         self.pending: list[_Pending] = []
@@ -121,7 +144,8 @@ class AsyncSource:
                 gid = self.group_id(self.issued, task)
                 size = self.curation.group_size(task.id)
                 issue_group(self.store, gid, task, size, self.max_attempts, self.enqueue)
-                self.pending.append(_Pending(self.issued, gid, task))
+                replaced = set(self._replaced.get(gid, ()))  # a reused store's, or a resumed run's
+                self.pending.append(_Pending(self.issued, gid, task, replaced))
                 self.issued += 1
 
     async def _issue_forever(self) -> None:
@@ -198,15 +222,14 @@ class AsyncSource:
         fresh: list[tuple[FinishedRollout, int]] = []
         for r in rollouts:
             if r.id not in p.read:
-                p.read[r.id] = read_finished(self.store, r)
+                p.read[r.id] = self.stats.saw(read_finished(self.store, r))
             f = p.read[r.id]
             age = self._stale(f, current)
             if age <= self.max_staleness:
                 fresh.append((f, age))
             elif self.stale == "requeue":
-                p.discarded.add(r.id)
+                self._replace(p, r.id)
                 del p.read[r.id]
-                self.enqueue(self.store, [p.task.id], p.id, self.max_attempts)
                 self.stats.stale_requeued += 1
             else:
                 self.stats.stale_dropped += 1
@@ -214,6 +237,19 @@ class AsyncSource:
             return None
         self._ages += [age for _, age in fresh]
         return Group(id=p.id, task=p.task, rollouts=[f for f, _ in fresh])
+
+    def _replace(self, p: _Pending, rollout_id: str) -> None:
+        """Leave a stale rollout out of its group and re-run its task there: journaled
+        first, so a crash in between can lose a replacement but never count a stale one."""
+        if self.journal is not None:
+            with self.journal.open("a") as f:
+                f.write(json.dumps({"group": p.id, "rollout": rollout_id}) + "\n")
+                f.flush()
+                os.fsync(f.fileno())
+        p.discarded.add(rollout_id)
+        with self._lock:
+            self._replaced.setdefault(p.id, set()).add(rollout_id)
+        self.enqueue(self.store, [p.task.id], p.id, self.max_attempts)
 
     def _window(self, scanned: float) -> tuple[list[_Pending], bool]:
         """The pending groups to look at: the whole window on a full re-read (due every
@@ -225,11 +261,13 @@ class AsyncSource:
         return (window if full else [p for p in window if p.id in dirty]), full
 
     def batch(self, step: int) -> list[Group]:
-        """Wait for tasks_per_step complete groups among the oldest `window` pending ones."""
+        """Wait for tasks_per_step complete groups among the oldest `window` pending ones;
+        NoBatch when it gives up (see the module docstring)."""
         self.start()
         started = time.perf_counter()
         self.stats, self._ages = SourceStats(), []
         out: list[Group] = []
+        taken: list[_Pending] = []
         skipped = 0
         scanned = 0.0  # when every group of the window was last read: never
         while len(out) < self.order.per_step:
@@ -237,6 +275,9 @@ class AsyncSource:
             window, full = self._window(scanned)
             if full:
                 scanned = time.perf_counter()
+                if self.interrupt():  # a stop asked while waiting (a pause blocks in it)
+                    self._restore(taken)
+                    raise NoBatch(f"step {step + 1}: stopped while waiting for its batch")
             took = False
             for p in window:
                 group = self._complete(p, current)
@@ -247,13 +288,16 @@ class AsyncSource:
                 kept, _ = self.curation.curate([group], out)
                 skipped += not kept
                 out += kept
+                taken += [p] if kept else []
                 if len(out) == self.order.per_step:
                     break
-            if skipped >= 3 * self.order.per_step and out:
-                break  # nearly every group is solved or failed: train on what there is
+            if skipped >= self.max_topups * self.order.per_step:
+                break  # nearly every group is solved or failed: as sync after its top-ups
             if not took:
                 time.sleep(self.poll_s)
         self._close_stats(started)
+        if not out:
+            raise no_signal(step, skipped)
         return out
 
     def _close_stats(self, started: float) -> None:
@@ -271,6 +315,14 @@ class AsyncSource:
             while self.consumed_below in self.consumed:  # keep only the ragged edge
                 self.consumed.discard(self.consumed_below)
                 self.consumed_below += 1
+
+    def _restore(self, taken: list[_Pending]) -> None:
+        """Put the groups a given-up batch had taken back among the pending, unconsumed."""
+        with self._lock:
+            done = (set(range(self.consumed_below)) | self.consumed) - {p.index for p in taken}
+            self.consumed_below = min(set(range(len(done) + 1)) - done)
+            self.consumed = {k for k in done if k > self.consumed_below}
+            self.pending = sorted(self.pending + taken, key=lambda p: p.index)
 
     # -- checkpoints ------------------------------------------------------------------
 
@@ -299,12 +351,27 @@ class AsyncSource:
                     continue
                 task = self.order.task(k)
                 gid = self.group_id(k, task)
-                self.pending.append(_Pending(k, gid, task, set(state.discarded.get(gid, []))))
+                replaced = set(state.discarded.get(gid, [])) | self._replaced.get(gid, set())
+                self.pending.append(_Pending(k, gid, task, replaced))
 
     def utilisation(self) -> float:
         """Share of runner slots busy since start (1.0 = every slot always running)."""
         wall = time.perf_counter() - self.started_at
         return self.runner.busy_s / max(wall * self.runner.cfg.concurrency, 1e-9)
+
+
+def _read_journal(journal: Path | None) -> dict[str, set[str]]:
+    """Group id -> its replaced rollouts, as journaled (a torn last line is skipped)."""
+    out: dict[str, set[str]] = {}
+    if journal is None or not journal.exists():
+        return out
+    for line in journal.read_text().splitlines():
+        try:
+            entry = json.loads(line)
+            out.setdefault(str(entry["group"]), set()).add(str(entry["rollout"]))
+        except (json.JSONDecodeError, KeyError, TypeError):
+            continue
+    return out
 
 
 def _drain(loop: asyncio.AbstractEventLoop) -> None:

@@ -108,11 +108,16 @@ class GuardConfig(BaseModel):
     left are wrong content (0: off)."""
     rollback: bool = False
     """On a collapse (a train reward or held-out success drop), restore the best checkpoint
-    and multiply the learning rate by `lr_factor`."""
+    and multiply the learning rate by `lr_factor`. A data-parallel run (several trainer
+    ranks) cannot: it refuses to start with it on."""
     lr_factor: float = Field(default=0.5, gt=0, le=1)
     """Learning-rate multiplier applied at each rollback."""
     max_rollbacks: int = Field(default=2, ge=0)
     """Rollbacks at most per run; later collapses are only warned about."""
+    max_reward_errors: int = Field(default=3, ge=1)
+    """The run stops, showing the traceback, once this many rollouts' reward function
+    raised: a bug in the reward code, never a reward of 0 (each such rollout is kept in the
+    store, marked, and never trained on)."""
 
 
 class TrainConfig(BaseModel):
@@ -234,6 +239,12 @@ class TrainConfig(BaseModel):
                 raise ValueError(f"train needs --{field} (or `{field} = ...` in the config file)")
         check_local_models(self.policies(), bool(self.roles))
         top_model(self.model_name, self.roles, named=True)
+        if self.guard.rollback and self.cluster.trainer_ranks > 1:
+            raise ValueError(
+                "guard.rollback is not possible in a data-parallel run (cluster.trainer_ranks "
+                f"= {self.cluster.trainer_ranks}): its trainer ranks take no optimizer changes "
+                "mid-run; turn one of them off"
+            )
         unknown = sorted(set(self.algorithm.align) - set(self.roles or [self.model_name]))
         if unknown:
             raise ValueError(

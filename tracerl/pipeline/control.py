@@ -5,13 +5,19 @@ stop, and `set` of a few settings, applied between steps.
 (tracerl.pipeline.control_files, the channel); `Control.poll` reads the new ones between
 steps, `between_steps` applies each (blocking while paused) and answers it in
 control_applied.jsonl with the step it took effect, and the loop's state goes to
-control_state.json. Nothing listens on a port.
+control_state.json. Nothing listens on a port. A step still waiting for its batch (an async
+source, nothing trained yet) calls `between_steps` too, every quarter second: a pause holds
+it there, and a stop gives the step up.
 
 A checkpoint asked for is the next step's own: the pipeline records each version's
 checkpoint when the step ends (a version recorded without one never gets one later), so
 the step in progress, or the next one, ends with a checkpoint. A stop needs none of its
 own: the run ends with the final evaluation and export, and a later resume continues from
 the last checkpoint, exactly as after a crash (with checkpoint_every = 1, the stop's step).
+
+A command the run cannot carry out is refused when it is read, answered with the reason
+(what `tracerl ctl` prints and the dashboard shows), and the run goes on: e.g. a new
+learning rate in a data-parallel run, whose ranks take no optimizer change mid-run.
 
 Settings changed with `set` are replayed from control_applied.jsonl when the run resumes,
 so a resumed run keeps them. A run at step 0 starts afresh: an earlier run's files in the
@@ -47,26 +53,11 @@ from tracerl.pipeline.control_files import (
 
 if TYPE_CHECKING:
     from tracerl.pipeline.step import Pipeline
-    from tracerl.trainer.trainer import Trainer
 
-__all__ = ["Control", "set_lr"]
+__all__ = ["Control"]
 
 _POLL_S = 0.25
 """How often a paused loop looks for new commands."""
-
-
-def set_lr(trainer: Trainer, lr: float) -> None:
-    """Change a trainer's peak learning rate in place; the schedule's factor still applies.
-
-    LambdaLR computes lr = base_lr x factor(step), so the base is what changes; the
-    optimizer's groups get the value in force now (and checkpoints keep both)."""
-    trainer.cfg = trainer.cfg.model_copy(update={"lr": lr})
-    sched = trainer.scheduler
-    factor = sched.lr_lambdas[0](sched.last_epoch)
-    sched.base_lrs = [lr] * len(sched.base_lrs)
-    for group in trainer.optimizer.param_groups:
-        group["initial_lr"] = lr
-        group["lr"] = lr * factor
 
 
 class Control:
@@ -192,8 +183,10 @@ class Control:
         if key == "trainer.lr":
             from tracerl.pipeline.step import local_trainer  # step's imports reach this module
 
-            for policy in self.pipeline.policies:
-                set_lr(local_trainer(policy), new.trainer.lr)
+            # Every trainer first: a run that cannot take the change refuses it whole.
+            trainers = [local_trainer(p, "a learning-rate change") for p in self.pipeline.policies]
+            for trainer in trainers:
+                trainer.set_lr(new.trainer.lr)
         else:
             self._rebuild_curation(new)
         self.cfg = new

@@ -18,6 +18,10 @@ Three guards, each on by default (rollback excepted) and each logged under `guar
   weights come back, the optimizer's moments are cleared (they point the way that
   collapsed), and the learning rate is multiplied by `guard.lr_factor`.
 
+One more stops the run rather than warns: a reward function that raised (a bug in the
+user's reward code; such rollouts are never trained on) `guard.max_reward_errors` times ends
+the run with `RewardFunctionFailed`, which shows the latest traceback.
+
 `BatchStats` is what the detector reads of a batch; the pipeline computes it once per step
 from the groups it trained on. Entropy is estimated without an extra forward pass: the mean
 negative log-probability of the sampled tokens under the policy that sampled them is an
@@ -48,6 +52,7 @@ __all__ = [
     "BestModel",
     "CollapseDetector",
     "Guards",
+    "RewardFunctionFailed",
     "batch_stats",
     "failures_with_tools",
     "load_checkpoint_weights",
@@ -312,19 +317,27 @@ def rollback(pipeline: Pipeline, best_step: int, lr_factor: float) -> float:
     state replaces the collapsed one as the latest (and is recorded as that version's)."""
     from tracerl.pipeline.step import local_trainer  # step imports this module
 
+    # Every trainer first: a run that cannot roll back refuses before any weight moves.
+    trainers = [local_trainer(p, "a rollback") for p in pipeline.policies]
     load_checkpoint_weights(pipeline, best_step)
     lr = 0.0
-    for p in pipeline.policies:
-        trainer = local_trainer(p)
-        optimizer, schedule = trainer.optimizer, trainer.scheduler
-        optimizer.state.clear()  # Adam's moments remember the direction that collapsed
-        schedule.base_lrs = [base * lr_factor for base in schedule.base_lrs]
-        for group, base in zip(optimizer.param_groups, schedule.base_lrs, strict=True):
-            group["lr"] = base * schedule.lr_lambdas[0](schedule.last_epoch)
-        lr = float(optimizer.param_groups[0]["lr"])
+    for trainer in trainers:
+        trainer.optimizer.state.clear()  # Adam's moments remember the direction that collapsed
+        trainer.set_lr(float(trainer.scheduler.base_lrs[0]) * lr_factor)
+        lr = float(trainer.optimizer.param_groups[0]["lr"])
     pipeline.save_checkpoint()
     log.warning("step %d: guard: rolled back to step %d, lr -> %.3g", pipeline.step, best_step, lr)
     return lr
+
+
+class RewardFunctionFailed(RuntimeError):
+    """The reward function raised for `guard.max_reward_errors` rollouts: the run stops."""
+
+    def __init__(self, count: int, latest: str) -> None:
+        super().__init__(
+            f"the reward function raised for {count} rollouts (guard.max_reward_errors); "
+            f"the run stops. The latest:\n{latest}"
+        )
 
 
 class Guards:
@@ -335,7 +348,14 @@ class Guards:
         self.cfg, self.pipeline = cfg, pipeline
         self.detector = CollapseDetector(cfg)
         self.best = BestModel(run_dir)
+        if cfg.rollback:  # refused now, when the run starts, rather than at a collapse
+            from tracerl.pipeline.step import local_trainer  # step imports this module
+
+            for p in pipeline.policies:
+                local_trainer(p, "guard.rollback")
         self.rollbacks = 0
+        self.reward_errors = 0
+        """Rollouts of this run (this process) whose reward function raised."""
         self.last: list[str] = []
         """The warnings of the latest step and evaluation."""
         self.warned: list[str] = []
@@ -344,11 +364,13 @@ class Guards:
             pipeline.checkpoints.pinned = {self.best.step}
 
     def on_step(self, report: StepReport) -> Values:
-        """Watch a step; warnings go to the log and `self.last`."""
+        """Watch a step; warnings go to the log and `self.last`. RewardFunctionFailed once
+        the run's reward function raised `max_reward_errors` times."""
         b = report.batch
         seen = len(self.detector.onsets)
         self.last = self.detector.observe(report.step, report.reward, b, report.train.kl_behaviour)
         self.warned += self.detector.onsets[seen:]
+        self._reward_errors(report)
         values: Values = {
             "guard/entropy": b.sampled_nll,
             "guard/completion_tokens": b.completion_tokens,
@@ -356,8 +378,27 @@ class Guards:
             "guard/mixed_groups": b.mixed_groups,
             "guard/errors": b.errors,
             "guard/failures_with_tools": b.failures_with_tools,
+            "guard/reward_errors": self.reward_errors,
         }
         return values | {f"guard/{w.split(':')[0]}": 1.0 for w in self.last}
+
+    def _reward_errors(self, report: StepReport) -> None:
+        """Count the batch's rollouts whose reward function raised; warn, or stop the run."""
+        src = report.source
+        if not src.reward_errors:
+            return
+        self.reward_errors += src.reward_errors
+        if self.reward_errors >= self.cfg.max_reward_errors:
+            raise RewardFunctionFailed(self.reward_errors, src.reward_error or "")
+        first = (src.reward_error or "").strip().splitlines()[-1:]
+        warning = (
+            f"reward_error: the reward function raised for {src.reward_errors} rollouts "
+            f"({self.reward_errors} in the run; it stops at {self.cfg.max_reward_errors}): "
+            f"{''.join(first)}"
+        )
+        log.warning("step %d: guard: %s", report.step, warning)
+        self.last.append(warning)
+        self.warned.append(f"step {report.step}: {warning}")
 
     def on_eval(self, step: int, success: float) -> Values:
         """Record a held-out evaluation of the weights after `step` steps: pin its

@@ -11,7 +11,10 @@ fast (docs/recipes.md).
 
 A reward that is 0 on every pre-flight rollout refuses the run (PreflightError) unless
 --no-guard.preflight: no update can come of it, and the usual cause is a broken reward or
-agent. Everything else, a reward that is always 1 included, is a warning.
+agent. A reward function that raised for `guard.max_reward_errors` of them stops it too
+(RewardFunctionFailed, with the traceback), as it would stop training: such rollouts have
+no reward, and the rewards above are those of the others. Everything else, a reward that is
+always 1 included, is a warning.
 """
 
 from __future__ import annotations
@@ -23,7 +26,7 @@ from collections import defaultdict
 from pydantic import BaseModel, ConfigDict
 
 from tracerl.evaluate import run_rollouts
-from tracerl.pipeline.guards import failures_with_tools
+from tracerl.pipeline.guards import RewardFunctionFailed, failures_with_tools
 from tracerl.pipeline.sources import Agents
 from tracerl.store import Store
 from tracerl.types import HAS_OUTCOME, Rollout, Span, Task
@@ -80,25 +83,27 @@ def _near(span: Span, max_context: int) -> bool:
 def check_start(
     rollouts: list[Rollout], spans: list[Span], max_context: int, threshold: float
 ) -> PreflightReport:
-    """The report of finished pre-flight rollouts (grouped by task) and their spans."""
+    """The report of finished pre-flight rollouts (grouped by task) and their spans; the
+    rewards are those of the rollouts whose reward function did not raise."""
+    scored = [r for r in rollouts if not r.reward_failed]
     by_task: dict[str, list[float]] = defaultdict(list)
-    for r in rollouts:
+    for r in scored:
         by_task[r.task_id].append(r.reward or 0.0)
     calls: dict[str, int] = defaultdict(int)
     for s in spans:
         calls[s.rollout_id] += 1
-    rewards = [r.reward or 0.0 for r in rollouts]
+    rewards = [r.reward or 0.0 for r in scored]
     won = [x >= threshold for x in rewards]
     n = max(len(rollouts), 1)
     report = PreflightReport(
-        groups=len(by_task),
+        groups=len({r.task_id for r in rollouts}),
         rollouts=len(rollouts),
         mean_reward=statistics.fmean(rewards) if rewards else 0.0,
         success=sum(won) / n,
         mixed_groups=sum(len(set(v)) > 1 for v in by_task.values()) / max(len(by_task), 1),
         errors=sum(_errored(r) for r in rollouts) / n,
         near_context=sum(_near(s, max_context) for s in spans) / max(len(spans), 1),
-        failures_with_tools=failures_with_tools([calls[r.id] for r in rollouts], won),
+        failures_with_tools=failures_with_tools([calls[r.id] for r in scored], won),
         warnings=[],
     )
     return report.model_copy(update={"warnings": _warnings(report, rewards)})
@@ -140,20 +145,25 @@ def preflight(
     max_context: int,
     threshold: float,
     refuse: bool = True,
+    max_reward_errors: int | None = None,
     assets: dict[str, int] | None = None,
 ) -> PreflightReport:
     """Run the pre-flight groups (their rollouts given `assets`: as training starts them)
-    and report; PreflightError when the reward never varies."""
+    and report; PreflightError when the reward never varies, RewardFunctionFailed when it
+    raised for `max_reward_errors` rollouts."""
     rollouts = run_rollouts(
         store, agents.gateway_url, agents.agent, agents.reward_fn, tasks, group_size,
         agents.cfg, group_id=f"preflight-{tasks[0].id}", desc="pre-flight",
         model=agents.model, threshold=threshold, assets=assets,
     )  # fmt: skip
+    failed = [r for r in rollouts if r.reward_failed]
+    if max_reward_errors is not None and len(failed) >= max_reward_errors:
+        raise RewardFunctionFailed(len(failed), failed[-1].error or "")
     spans = [s for r in rollouts for s in store.spans(r.id)]
     report = check_start(rollouts, spans, max_context, threshold)
     for w in report.warnings:
         log.warning("pre-flight: %s", w)
-    rewards = [r.reward or 0.0 for r in rollouts]
+    rewards = [r.reward or 0.0 for r in rollouts if not r.reward_failed]
     if refuse and rewards and max(rewards) == min(rewards) == 0:
         raise PreflightError(
             f"pre-flight: the reward was 0 on all {len(rewards)} rollouts of "

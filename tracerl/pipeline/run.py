@@ -4,8 +4,8 @@ pipeline, outputs.
 `train(cfg)` evaluates the agent on held-out tasks, trains for cfg.pipeline.steps steps
 through the gateway (the agent code unchanged), evaluates again, and leaves in
 runs/<name>/: the resolved config, metrics.jsonl, TensorBoard events (tb/), checkpoints,
-trained.jsonl (the rollouts trained on), the final model (model/), reward.png,
-pipeline.png and summary.json.
+trained.jsonl (the rollouts trained on), replaced.jsonl (async: stale rollouts re-run),
+the final model (model/), reward.png, pipeline.png and summary.json.
 
 Shutdown runs in one order, whatever ends the run (the exit stack unwinds it): the source
 (and the runner it owns: in-flight rollouts cancelled, nothing written after), the agent
@@ -49,6 +49,7 @@ from tracerl.pipeline.preflight import PreflightReport, preflight
 from tracerl.pipeline.sources import (
     Agents,
     Enqueue,
+    NoBatch,
     RolloutSource,
     SyncSource,
     TaskOrder,
@@ -148,7 +149,8 @@ def make_source(
     return AsyncSource(
         cfg.name, stack.store, agents, order, curation, version,
         max_staleness=p.max_staleness, window=p.window, stale=p.stale,
-        trained_roles=trained_roles, enqueue=enqueue,
+        trained_roles=trained_roles, journal=Path(cfg.runs) / cfg.name / "replaced.jsonl",
+        enqueue=enqueue,
     )  # fmt: skip
 
 
@@ -236,6 +238,7 @@ class _Run:
         report = preflight(
             self.stack.store, self.agents, self.train_tasks[: g.preflight_tasks],
             self.cfg.pipeline.group_size, engine.max_context, self.cfg.success_threshold,
+            max_reward_errors=g.max_reward_errors,
             assets=self.curriculum.at_start() if self.curriculum else None,
         )  # fmt: skip
         (self.run_dir / "preflight.json").write_text(report.model_dump_json(indent=2))
@@ -335,8 +338,16 @@ def _loop(run: _Run) -> TrainSummary:
     bar = tqdm(total=cfg.pipeline.steps, initial=pipeline.step, desc="train", unit="step")
     # Live control (tracerl ctl, the dashboard): commands applied between steps.
     control = Control(run.run_dir, cfg, pipeline)
+    # A batch that waits obeys control too: a pause blocks it, a stop gives it up.
+    run.source.interrupt = lambda: not control.between_steps(bar)
     while pipeline.step < cfg.pipeline.steps and control.between_steps(bar):
-        report = pipeline.run_step()
+        try:
+            report = pipeline.run_step()
+        except NoBatch as e:  # nothing of the step was trained: the run ends here
+            if not control.stopping:
+                tqdm.write(f"tracerl: {e}")
+                guards.warned.append(str(e))
+            break
         values = step_values(report) | guards.on_step(report)
         values["time/wall_s"] = time.perf_counter() - run.started
         values["time/train_wall_s"] = time.perf_counter() - run.started - run.eval_s

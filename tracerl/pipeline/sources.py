@@ -8,6 +8,11 @@ the runner that runs its rollouts, and reads every finished rollout from the sto
 
 - SyncSource (here): each step issues tasks x group_size rollouts and waits for them.
 - AsyncSource (tracerl.pipeline.async_source): generation never waits for training.
+
+A source may give up on a batch (`NoBatch`): when curation dropped every group it took in
+`max_topups` rounds' worth (with dynamic sampling: every group of equal reward, as on a
+solved task set, a constant reward or a collapsed policy), or when `interrupt()` says a stop
+was asked while it waited. The run then ends with that message instead of waiting forever.
 """
 
 from __future__ import annotations
@@ -25,11 +30,12 @@ from tracerl.agents import AgentFn, RewardFn
 from tracerl.algorithms.curation import Curation
 from tracerl.runner import Runner, RunnerConfig
 from tracerl.store import Store
-from tracerl.types import HAS_OUTCOME, FinishedRollout, Group, Rollout, Task
+from tracerl.types import FinishedRollout, Group, Rollout, Task
 
 __all__ = [
     "Agents",
     "Enqueue",
+    "NoBatch",
     "RolloutRunner",
     "RolloutSource",
     "SourceState",
@@ -37,6 +43,8 @@ __all__ = [
     "SyncSource",
     "TaskOrder",
     "issue_group",
+    "never",
+    "no_signal",
     "plain_enqueue",
     "read_finished",
 ]
@@ -60,6 +68,36 @@ class SourceStats:
     """Groups issued and not yet trained or dropped, when the batch was taken."""
     utilisation: float | None = None
     """Share of runner slots busy since the source started (async only)."""
+    reward_errors: int = 0
+    """Rollouts read for this batch whose reward function raised (never trained on)."""
+    reward_error: str | None = None
+    """The latest such rollout's error: the reward function's traceback."""
+
+    def saw(self, f: FinishedRollout) -> FinishedRollout:
+        """Count a rollout read for the batch (its reward function's error, if any)."""
+        if f.rollout.reward_failed:
+            self.reward_errors += 1
+            self.reward_error = f.rollout.error
+        return f
+
+
+class NoBatch(Exception):
+    """A source gave up on a batch: nothing to train on after its top-ups, or a stop asked
+    while it waited. Nothing of the step was trained; the message says why."""
+
+
+def no_signal(step: int, dropped: int) -> NoBatch:
+    """The give-up of a batch whose every group curation dropped."""
+    return NoBatch(
+        f"step {step + 1}: no group to train on: curation dropped all {dropped} groups taken "
+        "(with dynamic sampling, every rollout of each got the same reward: a solved task "
+        "set, a constant reward or a collapsed policy); the run stops"
+    )
+
+
+def never() -> bool:
+    """The default `interrupt`: no stop is ever asked."""
+    return False
 
 
 class SourceState(BaseModel):
@@ -84,9 +122,12 @@ class RolloutSource(Protocol):
 
     stats: SourceStats
     """Counters of the latest batch."""
+    interrupt: Callable[[], bool]
+    """Asked while a batch waits (it may block, e.g. while the run is paused); True gives
+    the batch up with `NoBatch` (a stop was asked). The run loop sets it."""
 
     def batch(self, step: int) -> list[Group]:
-        """Finished groups to train on at `step`."""
+        """Finished groups to train on at `step` (NoBatch: given up, see the module)."""
         ...
 
     def state(self) -> SourceState:
@@ -201,7 +242,7 @@ def issue_group(
 def read_finished(store: Store, rollout: Rollout) -> FinishedRollout:
     """The one read of a finished rollout: its last attempt's spans and rewards (none for a
     rollout without an outcome, which is never trained on)."""
-    if rollout.status not in HAS_OUTCOME:
+    if not rollout.has_outcome:
         return FinishedRollout(rollout=rollout)
     spans = store.spans(rollout.id, rollout.attempt)
     rewards = store.rewards(rollout.id, rollout.attempt)
@@ -212,7 +253,7 @@ class SyncSource:
     """Issues a step's rollouts and waits for all of them (reusing any already issued).
 
     Groups that curation drops (dynamic sampling) are replaced by fresh tasks from a
-    separate top-up stream, in up to `max_topups` rounds.
+    separate top-up stream, in up to `max_topups` rounds; when none is kept, NoBatch.
     """
 
     def __init__(
@@ -230,6 +271,7 @@ class SyncSource:
         self.runner = agents.runner(store)
         self.curation, self.max_attempts, self.max_topups = curation, max_attempts, max_topups
         self.stats = SourceStats()
+        self.interrupt: Callable[[], bool] = never
 
     def group_id(self, step: int, index: int, task: Task) -> str:
         """Deterministic, so a resumed run finds the groups it had issued."""
@@ -243,7 +285,9 @@ class SyncSource:
         return [self._read(gid, task) for gid, task in ids]
 
     def _read(self, gid: str, task: Task) -> Group:
-        rollouts = [read_finished(self.store, r) for r in self.store.rollouts(group_id=gid)]
+        rollouts = [
+            self.stats.saw(read_finished(self.store, r)) for r in self.store.rollouts(group_id=gid)
+        ]
         return Group(id=gid, task=task, rollouts=rollouts)
 
     def batch(self, step: int) -> list[Group]:
@@ -251,26 +295,32 @@ class SyncSource:
         self.stats = SourceStats()
         tasks = self.order.at(step)
         groups = self._run([(self.group_id(step, i, t), t) for i, t in enumerate(tasks)])
-        kept, _ = self.curation.curate(groups)
-        kept = self._top_up(step, kept)
+        kept, dropped = self.curation.curate(groups)
+        kept, more = self._top_up(step, kept)
         self.stats.wait_s = time.perf_counter() - started
+        if not kept:
+            raise no_signal(step, len(dropped) + more)
         return kept
 
-    def _top_up(self, step: int, kept: list[Group]) -> list[Group]:
-        """Replace dropped groups with fresh tasks (deterministic ids: resumable)."""
+    def _top_up(self, step: int, kept: list[Group]) -> tuple[list[Group], int]:
+        """Replace dropped groups with fresh tasks (deterministic ids: resumable); returns
+        the kept groups and how many top-up groups were dropped."""
         # The top-up stream reads the task order from the far end, so it does not
         # repeat the tasks of the steps to come.
         total = len(self.order.tasks) * 1000
+        dropped = 0
         for rnd in range(self.max_topups):
             missing = self.order.per_step - len(kept)
             if missing <= 0:
                 break
+            if self.interrupt():
+                raise NoBatch(f"step {step + 1}: stopped while topping up its batch")
             base = total - (step * self.max_topups + rnd + 1) * self.order.per_step
             fresh = [self.order.task(base + i) for i in range(missing)]
             ids = [(f"{self.run}/step{step}/top{rnd}-{i}-{t.id}", t) for i, t in enumerate(fresh)]
-            more, _ = self.curation.curate(self._run(ids), kept)
-            kept = kept + more
-        return kept[: self.order.per_step]
+            more, out = self.curation.curate(self._run(ids), kept)
+            kept, dropped = kept + more, dropped + len(out)
+        return kept[: self.order.per_step], dropped
 
     def state(self) -> SourceState:
         return SourceState()

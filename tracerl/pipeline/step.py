@@ -56,11 +56,15 @@ class Policy:
     roles: list[str]
 
 
-def local_trainer(policy: Policy) -> Trainer:
-    """A policy's trainer, for changes made to its optimizer in place (rollback, a new lr):
-    a Leader's ranks would each need them, which they do not receive yet."""
+def local_trainer(policy: Policy, change: str) -> Trainer:
+    """A policy's trainer, for a change made to its optimizer in place (`change`: a new
+    learning rate, a rollback). A Leader's ranks would each need the change, and they take
+    none mid-run: refused with a ValueError that says so, before anything changed."""
     if isinstance(policy.trainer, Leader):
-        raise NotImplementedError("data-parallel ranks take no optimizer changes mid-run")
+        raise ValueError(
+            f"{change} is not possible in a data-parallel run: its trainer ranks take no "
+            "optimizer changes mid-run"
+        )
     return policy.trainer
 
 

@@ -86,7 +86,9 @@ CREATE TABLE versions (
     role TEXT NOT NULL, version INTEGER NOT NULL, path TEXT NOT NULL,
     created_at DOUBLE PRECISION NOT NULL, PRIMARY KEY (role, version));
 """,
-    # 2: assets (versioned texts), their comparisons and optimizations; the asset versions
+    # 2: the conversation (thread) of each span, and the thread it branched from.
+    "ALTER TABLE spans ADD COLUMN thread_id TEXT, ADD COLUMN parent_thread_id TEXT;",
+    # 3: assets (versioned texts), their comparisons and optimizations; the asset versions
     # each rollout was given and each span saw, and a rollout's sampling seed.
     """
 CREATE TABLE assets (

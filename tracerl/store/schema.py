@@ -63,7 +63,7 @@ CREATE TABLE IF NOT EXISTS spans (
     logprobs BLOB NOT NULL, messages TEXT NOT NULL, response TEXT NOT NULL,
     finish_reason TEXT NOT NULL, temperature REAL NOT NULL, prefix_reused INTEGER NOT NULL,
     prefix_break TEXT, parent_span_id TEXT, latency_s REAL NOT NULL, created_at REAL NOT NULL,
-    assets TEXT NOT NULL DEFAULT '{}');
+    thread_id TEXT, parent_thread_id TEXT, assets TEXT NOT NULL DEFAULT '{}');
 CREATE UNIQUE INDEX IF NOT EXISTS spans_order ON spans (rollout_id, attempt, seq);
 CREATE TABLE IF NOT EXISTS rewards (
     rollout_id TEXT NOT NULL REFERENCES rollouts (id), attempt INTEGER NOT NULL,
@@ -113,7 +113,11 @@ INSERT_REWARD = (
 _ADDED_COLUMNS = {
     "rewards": {"role": "TEXT"},
     "rollouts": {"assets": "TEXT", "seed": "INTEGER"},
-    "spans": {"assets": "TEXT NOT NULL DEFAULT '{}'"},
+    "spans": {
+        "thread_id": "TEXT",
+        "parent_thread_id": "TEXT",
+        "assets": "TEXT NOT NULL DEFAULT '{}'",
+    },
 }
 """Columns added after a table was first shipped: files written before get them on open."""
 
@@ -175,7 +179,7 @@ def span_row(s: Span) -> tuple[object, ...]:
         # Key order kept (not _json): messages read back exactly as the agent sent them.
         orjson.dumps(s.messages).decode(), orjson.dumps(s.response).decode(),
         s.finish_reason, s.temperature, s.prefix_reused, s.prefix_break, s.parent_span_id, s.latency_s, s.created_at,
-        _json(s.assets),
+        s.thread_id, s.parent_thread_id, _json(s.assets),
     )  # fmt: skip
 
 

@@ -10,7 +10,8 @@ pass, so the head's peak memory is one chunk's logits whatever the micro-batch.
 
 The values are those of `token_logprobs` on the whole logits: each chunk re-reads the
 position before it, so every token's prediction comes from the same logits row.
-Models whose head is more than a linear map (a soft-cap or logit scale) keep full logits.
+Models whose head is more than a linear map (a soft-cap or logit scale), and FSDP2-sharded
+models (tracerl.trainer.distributed), keep full logits.
 """
 
 from __future__ import annotations
@@ -68,7 +69,13 @@ class ChunkedLogits(NamedTuple):
 
 
 def plain_head(model: torch.nn.Module) -> bool:
-    """Whether the model's logits are its output embedding of the last hidden state."""
+    """Whether the model's logits are its output embedding of the last hidden state, and its
+    parts may be called on their own: an FSDP2-sharded root gathers its own parameters (the
+    embeddings) only in its forward, so a sharded model keeps its full logits."""
+    from torch.distributed.fsdp import FSDPModule
+
+    if isinstance(model, FSDPModule):
+        return False
     config = getattr(model, "config", None)
     has_parts = callable(getattr(model, "get_decoder", None)) and callable(
         getattr(model, "get_output_embeddings", None)

@@ -109,7 +109,7 @@ class DistributedTrainer(Trainer):
 
     def _optimizer_step(
         self, rows: list[Transition], idx: list[int], proximal: list[Tensor] | None
-    ) -> tuple[float, float, list[LossMetrics], int]:
+    ) -> tuple[float, float | None, list[LossMetrics], int]:
         """This rank's share of one optimizer step, then the step itself on its shard."""
         share = split_by_tokens([len(rows[i].input_ids) for i in idx], self.world_size)
         mine = [idx[k] for k in share[self.rank]]
@@ -124,7 +124,7 @@ class DistributedTrainer(Trainer):
         local = [out.loss, float(sum(int(mb.attention_mask_BT.sum()) for mb in batches))]
         loss, tokens = self._sum_over_ranks(local)
         metrics = _gather_lists(out.metrics[: len(batches)])  # the idle passes are not data
-        return loss, self.apply_gradients(), metrics, int(tokens)
+        return loss, self.apply_gradients(loss), metrics, int(tokens)
 
     def _sum_over_ranks(self, values: list[float]) -> list[float]:
         """Each value summed over the ranks (float64, on the trainer's device)."""
@@ -146,16 +146,13 @@ class DistributedTrainer(Trainer):
         # Summed in rank order, like the single trainer's sum over micro-batches.
         return float(sum(all_R2[:, 0].tolist())), int(all_R2[:, 1].max())
 
-    def apply_gradients(self) -> float:
-        """Clip by the global norm of the sharded gradients, step every shard; returns the
-        pre-clip norm (the same on every rank)."""
+    def _clip_gradients(self) -> float:
+        """Clip by the global norm of the sharded gradients; returns the pre-clip norm, the
+        same on every rank (as the summed loss is), so every rank steps or skips alike."""
         params = [p for p in self.model.parameters() if p.requires_grad]
         norm = torch.nn.utils.clip_grad_norm_(params, self.cfg.grad_clip)
         if isinstance(norm, DTensor):
             norm = norm.full_tensor()
-        self.optimizer.step()
-        self.scheduler.step()
-        self.optimizer.zero_grad(set_to_none=True)
         return float(norm)
 
     @torch.no_grad()

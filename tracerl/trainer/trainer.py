@@ -9,11 +9,17 @@ that have it. The trainer never looks at rewards or groups: advantages and weigh
 written on the rows. Each optimizer step is `loss_and_grads` (tracerl.trainer.gradients: the
 one implementation of a step's loss and backward, which the benches run too) followed by
 `apply_gradients`; this module owns the optimizer, the schedule, the proximal pass and LoRA.
+
+A step whose loss or gradient norm is not finite never reaches the optimizer (clipping does
+not stop a NaN, and one NaN step poisons every weight): its gradients are dropped, the
+optimizer and the schedule do not step, and the update counts it (`nonfinite_steps`) and
+logs a warning.
 """
 
 from __future__ import annotations
 
 import copy
+import logging
 import math
 import random
 import time
@@ -31,14 +37,16 @@ from tracerl.trainer.loss import LossMetrics
 from tracerl.trainer.packing import MicroBatch, pack
 from tracerl.types import Transition
 
+log = logging.getLogger("tracerl.trainer")
+
 
 class TrainMetrics(BaseModel):
     """What one call of `Trainer.train` did."""
 
     loss: float
-    """Mean loss over optimizer steps."""
+    """Mean loss over the optimizer steps taken."""
     grad_norm: float
-    """Mean pre-clip gradient norm."""
+    """Mean pre-clip gradient norm over the optimizer steps taken."""
     lr: float
     """Learning rate of the last optimizer step."""
     tokens: int
@@ -47,6 +55,9 @@ class TrainMetrics(BaseModel):
     """Sampled tokens that carry loss."""
     optimizer_steps: int
     """Optimizer steps taken."""
+    nonfinite_steps: int = 0
+    """Optimizer steps skipped because their loss or gradient norm was not finite (NaN or
+    inf): their gradients were dropped, the weights left as they were."""
     wall_s: float
     """Wall time of the update."""
     tokens_per_s: float
@@ -122,6 +133,19 @@ class Trainer:
         progress = min(1.0, (step - self.cfg.warmup_steps) / max(1, total))
         return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress))
 
+    def set_lr(self, lr: float) -> None:
+        """Make `lr` the peak learning rate from now on: the schedule is rebuilt from the
+        config with it, at the step it had reached (its warmup and decay go on from there).
+        The one way the rate changes mid-run (`tracerl ctl set trainer.lr`, a rollback)."""
+        self.cfg = self.cfg.model_copy(update={"lr": lr})
+        step = self.scheduler.last_epoch
+        for group in self.optimizer.param_groups:
+            group["initial_lr"] = lr  # what a schedule built at a step > 0 starts from
+        # Built at step - 1, it takes its first step to `step` (and sets the groups' lr).
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
+            self.optimizer, self._lr_factor, last_epoch=step - 1
+        )
+
     def train(self, rows: list[Transition]) -> TrainMetrics:
         """One update: epochs x minibatches optimizer steps over `rows`; version += 1."""
         if not rows:
@@ -131,7 +155,7 @@ class Trainer:
         # it equals the current policy, so the forward pass of the step itself gives it.
         proximal = None if self._single_step() else self._proximal(rows)
         losses, norms, metrics = [], [], []
-        tokens = 0
+        tokens = skipped = 0
         for _ in range(self.cfg.epochs):
             order = list(range(len(rows)))
             self._rng.shuffle(order)
@@ -140,15 +164,25 @@ class Trainer:
                     continue
                 idx = [int(i) for i in chunk]
                 loss, norm, ms, n = self._optimizer_step(rows, idx, proximal)
+                tokens += n
+                if norm is None:
+                    skipped += 1
+                    continue
                 losses.append(loss)
                 norms.append(norm)
                 metrics += ms
-                tokens += n
+        if skipped:
+            log.warning(
+                "update %d: %d of %d optimizer steps skipped: loss or gradient norm not "
+                "finite (NaN/inf); their gradients were dropped",
+                self.version + 1, skipped, skipped + len(losses),
+            )  # fmt: skip
         self.version += 1
         wall = time.perf_counter() - started
-        return _summary(
+        out = _summary(
             rows, losses, norms, metrics, tokens, wall, float(self.scheduler.get_last_lr()[0])
         )
+        return out.model_copy(update={"nonfinite_steps": skipped})
 
     def _single_step(self) -> bool:
         return self.cfg.minibatches == 1 and self.cfg.epochs == 1
@@ -165,23 +199,32 @@ class Trainer:
 
     def _optimizer_step(
         self, rows: list[Transition], idx: list[int], proximal: list[torch.Tensor] | None
-    ) -> tuple[float, float, list[LossMetrics], int]:
+    ) -> tuple[float, float | None, list[LossMetrics], int]:
+        """One optimizer step on rows[idx]: (loss, pre-clip norm or None when the step was
+        skipped as not finite, loss metrics, tokens forwarded)."""
         picked = [rows[i] for i in idx]
         prox = None if proximal is None else [proximal[i] for i in idx]
         out = loss_and_grads(
             self.model, picked, self.cfg, proximal=prox, reference=self._reference_logprobs
         )
-        return out.loss, self.apply_gradients(), out.metrics, out.tokens
+        return out.loss, self.apply_gradients(out.loss), out.metrics, out.tokens
 
-    def apply_gradients(self) -> float:
-        """Clip the accumulated gradients, step the optimizer and the schedule, zero the
-        gradients; returns the pre-clip gradient norm."""
-        params = [p for p in self.model.parameters() if p.requires_grad]
-        norm = float(torch.nn.utils.clip_grad_norm_(params, self.cfg.grad_clip))
-        self.optimizer.step()
-        self.scheduler.step()
+    def apply_gradients(self, loss: float = 0.0) -> float | None:
+        """Clip the accumulated gradients and step the optimizer and the schedule, unless
+        `loss` or the gradient norm is not finite: then nothing steps. The gradients are
+        zeroed either way. Returns the pre-clip norm, None for a skipped step."""
+        norm = self._clip_gradients()
+        finite = math.isfinite(loss) and math.isfinite(norm)
+        if finite:
+            self.optimizer.step()
+            self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
-        return norm
+        return norm if finite else None
+
+    def _clip_gradients(self) -> float:
+        """Clip the trainable parameters' gradients to `grad_clip`; the pre-clip norm."""
+        params = [p for p in self.model.parameters() if p.requires_grad]
+        return float(torch.nn.utils.clip_grad_norm_(params, self.cfg.grad_clip))
 
     @torch.no_grad()
     def _reference_logprobs(self, mb: MicroBatch) -> torch.Tensor | None:
@@ -295,8 +338,8 @@ def _summary(
         return float(np.mean([getattr(m, name) for m in metrics])) if metrics else 0.0
 
     return TrainMetrics(
-        loss=float(np.mean(losses)),
-        grad_norm=float(np.mean(norms)),
+        loss=float(np.mean(losses)) if losses else 0.0,  # no step taken: nothing to average
+        grad_norm=float(np.mean(norms)) if norms else 0.0,
         lr=lr,
         tokens=sum(len(r.input_ids) for r in rows),
         trained_tokens=sum(sum(r.loss_mask) for r in rows),
