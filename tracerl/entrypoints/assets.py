@@ -11,7 +11,7 @@ from __future__ import annotations
 import difflib
 import os
 from pathlib import Path
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 from pydantic import Field, ValidationError
 from pydantic_settings import CliPositionalArg, CliSubCommand
@@ -22,6 +22,11 @@ from tracerl.assets.config import OptimizeSettings
 from tracerl.assets.records import Asset, AssetRef, Comparison, Optimization, Test
 from tracerl.entrypoints.config import Command, ServingConfig, config_errors
 from tracerl.runner import RunnerConfig
+
+if TYPE_CHECKING:  # annotations only: the CLI's --help loads none of these
+    from tracerl.assets.proposers import Proposer
+    from tracerl.stack import LocalStack
+    from tracerl.store import Store
 
 __all__ = [
     "AssetsCommand",
@@ -188,7 +193,7 @@ def _dispatch(cfg: AssetsCommand, console: Console) -> None:
         _optimize(cfg.optimize, console)
 
 
-def _open(store: str, create: bool = False):  # type: ignore[no-untyped-def]
+def _open(store: str, create: bool = False) -> Store:
     """The store at `store` (a file's folder made when `create`)."""
     from tracerl.store.open import is_postgres_url, open_store
 
@@ -273,7 +278,7 @@ def _diff(cfg: AssetsDiff, console: Console) -> None:
 # -- compare and optimize: serve the model, run arms ----------------------------------------
 
 
-def _arena_stack(cfg: _Arms):  # type: ignore[no-untyped-def]
+def _arena_stack(cfg: _Arms) -> tuple[str, LocalStack]:
     """The served stack over cfg.store and the pieces of its Arena (loaded here: torch)."""
     from tracerl.entrypoints import quiet_model_loading
     from tracerl.pipeline.run import start_roles_stack
@@ -355,7 +360,7 @@ def _optimize(cfg: AssetsOptimize, console: Console) -> None:
     print_optimization(opt, console)
 
 
-def _proposer(cfg: AssetsOptimize, store, gateway_url: str, top: str, name: str):  # type: ignore[no-untyped-def]
+def _proposer(cfg: AssetsOptimize, store: Store, gateway_url: str, top: str, name: str) -> Proposer:
     from tracerl.assets.proposers import BootstrapProposer, LlmProposer
 
     if cfg.proposer == "bootstrap":
