@@ -3,6 +3,7 @@ pre-flight check; and a run made to collapse on purpose (a far too high learning
 
 from __future__ import annotations
 
+import itertools
 import json
 from pathlib import Path
 from types import SimpleNamespace
@@ -272,10 +273,17 @@ def _pipeline(trainer: object, tmp_path: Path, step: int = 4) -> SimpleNamespace
     """What `rollback` and `Guards` touch of a pipeline: one policy, checkpoints on disk."""
     checkpoints = Checkpoints(tmp_path / "run", keep=2)
     saved: list[int] = []
+    issued = itertools.count(1)  # the store's version numbers (0 served the start)
+
+    def publish(checkpointed: bool) -> None:
+        version = next(issued)
+        for policy in p.policies:
+            policy.engine.load_state_dict({}, version)
+
     p = SimpleNamespace(
         policies=[SimpleNamespace(name="policy", trainer=trainer, engine=_Engine(), roles=[])],
         checkpoints=checkpoints, step=step, save_checkpoint=lambda: saved.append(p.step),
-        saved=saved,
+        saved=saved, publish=publish,
     )  # fmt: skip
     return p
 
@@ -310,7 +318,8 @@ def test_rollback_rebuilds_the_schedule_at_its_step_with_the_lower_rate(
     trainer.optimizer.step()
     trainer.scheduler.step()
     assert trainer.scheduler.get_last_lr()[0] == pytest.approx(5e-3 * trainer._lr_factor(5))
-    assert pipeline.saved == [4] and pipeline.policies[0].engine.loaded == [0]
+    # The restored weights are served under a new version number, never the current one.
+    assert pipeline.saved == [4] and pipeline.policies[0].engine.loaded == [1]
 
 
 def test_a_data_parallel_run_refuses_rollback_at_the_start_never_mid_step(
