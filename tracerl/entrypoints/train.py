@@ -13,8 +13,6 @@ from rich.console import Console
 from tracerl.entrypoints import quiet_model_loading
 from tracerl.entrypoints.config import TrainCommand, config_errors
 from tracerl.pipeline.config import TrainConfig
-from tracerl.pipeline.guards import RewardFunctionFailed
-from tracerl.pipeline.run import load_run_config, train
 
 
 def merge(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
@@ -62,7 +60,7 @@ def resolve(cmd: TrainCommand) -> TrainConfig:
     (SystemExit naming each bad or unknown key, or a missing essential)."""
     flags = cmd.model_dump(exclude_unset=True, exclude={"config", "resume"})
     if cmd.resume:
-        base = load_run_config(cmd.resume).model_dump()
+        base = _saved_config(cmd.resume)
     elif cmd.config:
         path = Path(cmd.config)
         base = file_relative(tomllib.loads(path.read_text()), path.resolve().parent)
@@ -78,11 +76,24 @@ def resolve(cmd: TrainCommand) -> TrainConfig:
     return cfg
 
 
+def _saved_config(run_dir: str) -> dict[str, Any]:
+    """A run's saved config.json (SystemExit when `run_dir` holds none)."""
+    path = Path(run_dir) / "config.json"
+    if not path.exists():
+        raise SystemExit(f"{run_dir} is not a run directory (no config.json)")
+    return TrainConfig.model_validate_json(path.read_text()).model_dump()
+
+
 def main(cmd: TrainCommand, console: Console) -> None:
-    """Train (or resume), then print the run's summary."""
+    """Train (or resume), then print the run's summary. The config is checked before torch
+    and the servers load, so a mistake is told in a moment."""
+    cfg = resolve(cmd)
     quiet_model_loading()
+    from tracerl.pipeline.guards import RewardFunctionFailed
+    from tracerl.pipeline.run import train
+
     try:
-        summary = train(resolve(cmd), resume=cmd.resume is not None)
+        summary = train(cfg, resume=cmd.resume is not None)
     except RewardFunctionFailed as e:  # the user's reward code: its traceback, not ours
         raise SystemExit(f"tracerl train: {e}") from None
     console.print(summary.model_dump_json(indent=2))
