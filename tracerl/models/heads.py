@@ -20,7 +20,7 @@ import torch
 from torch import Tensor
 from torch.utils.checkpoint import checkpoint
 
-__all__ = ["TargetScores", "target_logprobs"]
+__all__ = ["TargetScores", "shared_prefix", "shared_prefix_logprobs", "target_logprobs"]
 
 _HEAD_EXTRAS = ("final_logit_softcapping", "logit_scale", "logits_scaling")
 
@@ -86,3 +86,42 @@ def target_logprobs(
     logp_N = torch.cat(logps) if logps else empty
     top_N = torch.cat(tops) if tops else torch.zeros(0, dtype=torch.bool, device=ids_BT.device)
     return TargetScores(logp_N, top_N, row_N)
+
+
+def shared_prefix(ids_BT: Tensor, attn_BT: Tensor) -> int:
+    """How many leading tokens every row of a right-padded batch has in common."""
+    lengths_B = attn_BT.sum(dim=1)
+    same_T = (ids_BT == ids_BT[:1]).all(dim=0)
+    differs = torch.nonzero(~same_T)
+    common = int(differs[0, 0]) if differs.numel() else ids_BT.shape[1]
+    return min(common, int(lengths_B.min()))
+
+
+def shared_prefix_logprobs(
+    model: torch.nn.Module, ids_BT: Tensor, attn_BT: Tensor, labels_BT: Tensor, bf16: bool
+) -> Tensor | None:
+    """logp_N of the labelled targets (as `target_logprobs`), the prefix every row shares
+    forwarded once (tracerl.trainer.prefix); None when the rows share under 2 tokens.
+
+    Demonstrations of one agent share their system prompt and tool schemas, often most of
+    their tokens (a tool block is ~150 tokens, a framework's prompt thousands): forwarding
+    them once per batch instead of once per row is the same loss and gradients for a
+    fraction of the compute (tests/test_sft_prefix.py checks both)."""
+    from tracerl.trainer.loss import token_logprobs
+    from tracerl.trainer.packing import MicroBatch
+    from tracerl.trainer.prefix import TreeBatch, tree_logits
+
+    common = shared_prefix(ids_BT, attn_BT)
+    if common < 2 or ids_BT.shape[0] < 2:
+        return None
+    zeros_BT = torch.zeros_like(ids_BT, dtype=torch.float32)
+    mb = MicroBatch(
+        input_ids_BT=ids_BT, attention_mask_BT=attn_BT, loss_mask_BT=zeros_BT,
+        behaviour_logp_BT=zeros_BT, adv_BT=zeros_BT, weight_BT=zeros_BT,
+        temperature_B=torch.ones(ids_BT.shape[0]), row_indices=list(range(ids_BT.shape[0])),
+    )  # fmt: skip
+    logits = tree_logits(model, TreeBatch(mb, common - 1), bf16)
+    logp_BT = logits.per_token(token_logprobs, ids_BT, mb.temperature_B.to(ids_BT.device))
+    keep_BT = labels_BT != -100
+    keep_BT[:, 0] = False  # the first token is never a target
+    return logp_BT[keep_BT]

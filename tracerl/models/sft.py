@@ -42,7 +42,7 @@ from tracerl.models.demos import (
     load_demos,
     pad_token_id,
 )
-from tracerl.models.heads import target_logprobs
+from tracerl.models.heads import shared_prefix_logprobs, target_logprobs
 from tracerl.models.sft_state import Checkpointer, HeldOutCheck, SftState
 from tracerl.models.template import render_chat
 from tracerl.models.tiny import TinyModelConfig, build_tiny_model
@@ -97,6 +97,9 @@ class SftConfig(_Record):
     schedule that depends on the cap. 0 stops at once."""
     batch_size: int = Field(default=16, ge=1)
     """Conversations per step."""
+    prefix_sharing: bool = True
+    """Forward the prefix a step's conversations share (system prompt, tool schemas) once,
+    not once per conversation: the same loss and gradients, fewer tokens forwarded."""
     lr: float = Field(default=2e-3, gt=0)
     """Peak learning rate (AdamW); 3e-3 already makes the tiny model's runs erratic."""
     warmup: int = Field(default=10, ge=0)
@@ -292,7 +295,8 @@ def _step(
     bf16: bool,
 ) -> float:
     """One optimizer step on a collated batch; its loss (mean over the masked tokens)."""
-    logp_N = target_logprobs(model, *batch, bf16=bf16).logp_N
+    shared = shared_prefix_logprobs(model, *batch, bf16=bf16) if cfg.prefix_sharing else None
+    logp_N = shared if shared is not None else target_logprobs(model, *batch, bf16=bf16).logp_N
     loss = -logp_N.mean() if logp_N.numel() else logp_N.sum()
     loss.backward()
     torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
