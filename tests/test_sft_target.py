@@ -17,6 +17,7 @@ from tracerl.entrypoints.sft import main as sft_main
 from tracerl.models import Demo, SftConfig, build_tiny_model, render_chat, sft
 from tracerl.models.sft import EncodedDemo, SftResult, exact_match, split_holdout
 from tracerl.precision import choose_precision
+from tracerl.trainer.config import LoraSettings
 
 COLORS = {"sky": "blue", "grass": "green", "snow": "white", "coal": "black"}
 # Learnable in a few dozen steps: the answer depends on the question, from a small table.
@@ -189,3 +190,17 @@ def test_reaching_the_target_starts_a_cooldown_then_a_last_check(
     assert factor(reached + 1) == pytest.approx(1 - 1 / 7)
     state.cooldown_from = None
     assert factor(150) == 1.0  # the cap does not shape the rate
+
+
+def test_lora_sft_saves_a_plain_model_dir_and_its_adapter(base_dir: Path, tmp_path: Path) -> None:
+    cfg = FAST.model_copy(update={"steps": 20, "lr": 5e-3, "lora": LoraSettings(r=4)})
+    result = sft(base_dir, DEMOS, tmp_path / "out", cfg)
+    assert result.losses[-1] < result.losses[0]
+    merged = AutoModelForCausalLM.from_pretrained(tmp_path / "out", dtype=torch.float32)
+    base = AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32)
+    assert not any("lora" in k for k in merged.state_dict())
+    changed = [
+        k for k, v in merged.state_dict().items() if not torch.equal(v, base.state_dict()[k])
+    ]
+    assert changed and all("proj" in k for k in changed)  # only adapted layers moved
+    assert (tmp_path / "out" / "adapter" / "adapter_config.json").exists()

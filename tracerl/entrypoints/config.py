@@ -27,6 +27,7 @@ from tracerl.roles import (
     top_model,
 )
 from tracerl.runner import RunnerConfig
+from tracerl.trainer.config import LoraSettings
 
 __all__ = [
     "Command",
@@ -230,6 +231,9 @@ class SftCommand(Command):
     only when this flag is given (every step is then trained)."""
     eval_every: int = Field(default=50, ge=1)
     """With a holdout: steps between held-out checks."""
+    lora: LoraSettings | None = None
+    """Train a LoRA adapter (peft) instead of all weights, e.g. '{"r": 16}'; the output is
+    still a plain model dir (the adapter merged in; the adapter itself in <out>/adapter)."""
     bf16: Literal["auto"] | bool = "auto"
     """bf16 autocast: auto (only where the hardware computes bf16 natively: a CUDA GPU that
     supports it, a CPU with AVX512-BF16 or AMX; fp32 elsewhere), true or false."""

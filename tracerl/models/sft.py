@@ -47,6 +47,8 @@ from tracerl.models.sft_state import Checkpointer, HeldOutCheck, SftState
 from tracerl.models.template import render_chat
 from tracerl.models.tiny import TinyModelConfig, build_tiny_model
 from tracerl.precision import Bf16Setting, Precision, choose_precision
+from tracerl.trainer.config import LoraSettings
+from tracerl.trainer.lora import with_lora
 
 __all__ = [
     "Demo",
@@ -97,6 +99,9 @@ class SftConfig(_Record):
     schedule that depends on the cap. 0 stops at once."""
     batch_size: int = Field(default=16, ge=1)
     """Conversations per step."""
+    lora: LoraSettings | None = None
+    """Train a LoRA adapter instead of all weights (peft); the output is still a plain model
+    dir, the adapter merged in (and kept in <out>/adapter)."""
     prefix_sharing: bool = True
     """Forward the prefix a step's conversations share (system prompt, tool schemas) once,
     not once per conversation: the same loss and gradients, fewer tokens forwarded."""
@@ -346,11 +351,13 @@ def sft(
         torch.set_num_threads(cfg.threads)
     precision = choose_precision(cfg.bf16, cfg.device)
     tokenizer = AutoTokenizer.from_pretrained(base_dir)
-    model = AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32)
+    base = AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32)
+    model = with_lora(base, cfg.lora)
     model.to(torch.device(cfg.device))  # type: ignore[arg-type]
     encoded, held = split_holdout(encode_all(tokenizer, demos), cfg.holdout, cfg.seed)
     held = held or (encode_all(tokenizer, score_on) if score_on else [])
-    optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(trainable, lr=cfg.lr, weight_decay=cfg.weight_decay)
     state = SftState()  # the schedule reads its cooldown; a checkpoint fills it in place
     schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, _lr_factor(cfg, state))
     if resume and (saved := checkpointer.load(model, optimizer, schedule)) is not None:
@@ -359,12 +366,21 @@ def sft(
     say(_header(cfg, precision, len(encoded), len(held), state))
     loop = _Loop(cfg, model, optimizer, schedule, pad_token_id(tokenizer), encoded, held)
     state = loop.run(state, precision.bf16, checkpointer, say)
-    model.eval()
-    model.save_pretrained(out)
+    _save(model, out, cfg.lora is not None)
     tokenizer.save_pretrained(out)
     result = _result(cfg, out, state, precision, len(encoded), len(held))
     checkpointer.finish(result)
     return result
+
+
+def _save(model: torch.nn.Module, out: Path, lora: bool) -> None:
+    """The trained model as a plain HF dir; with LoRA the adapter merged in, and the adapter
+    itself (a peft dir) in <out>/adapter, so every later command takes `out` as it is."""
+    model.eval()
+    if lora:
+        model.save_pretrained(out / "adapter")  # type: ignore[operator]
+        model = model.merge_and_unload()  # type: ignore[operator]
+    model.save_pretrained(out)  # type: ignore[operator]
 
 
 def _header(
@@ -379,8 +395,13 @@ def _header(
         else f"{cfg.steps} steps"
     )
     threads = f", {torch.get_num_threads()} threads" if precision.device == "cpu" else ""
+    what = (
+        f"LoRA r={cfg.lora.r} on {', '.join(cfg.lora.target_modules)}"
+        if cfg.lora
+        else "all weights"
+    )
     lines = [
-        f"sft: {n_train} examples trained on{held}; batch {cfg.batch_size}, {goal}",
+        f"sft: {n_train} examples trained on{held}; batch {cfg.batch_size}, {goal}; {what}",
         f"sft: lr {cfg.lr:g}, {schedule_words(cfg)}; device {cfg.device}{threads}",
         f"sft: {precision.line()}",
     ]

@@ -31,8 +31,9 @@ from pydantic import BaseModel
 from transformers import AutoModelForCausalLM, PreTrainedModel
 
 from tracerl.precision import choose_precision, use_bf16
-from tracerl.trainer.config import LoraSettings, TrainerConfig
+from tracerl.trainer.config import TrainerConfig
 from tracerl.trainer.gradients import forward_logprobs, loss_and_grads
+from tracerl.trainer.lora import merged_lora_state, with_lora
 from tracerl.trainer.loss import LossMetrics
 from tracerl.trainer.packing import MicroBatch, pack
 from tracerl.types import Transition
@@ -103,7 +104,7 @@ class Trainer:
         self.device = torch.device(device)
         self.model_dir = str(model_dir)
         base = AutoModelForCausalLM.from_pretrained(self.model_dir, dtype=torch.float32)
-        self.model: PreTrainedModel = _with_lora(base, cfg.lora)
+        self.model: PreTrainedModel = with_lora(base, cfg.lora)
         self.model.to(self.device)  # type: ignore[arg-type]
         self.model.train()
         self.optimizer, self.scheduler = self._build_optimizer()
@@ -239,7 +240,7 @@ class Trainer:
         """Full weights for the engine (LoRA merged in), detached copies."""
         if self.cfg.lora is None:
             return {k: v.detach().clone() for k, v in self.model.state_dict().items()}
-        return _merged_lora_state(self.model)
+        return merged_lora_state(self.model)
 
     def save_model(self, out_dir: str | Path) -> None:
         """A standard HF model dir (full FT) or peft adapter dir (LoRA)."""
@@ -292,37 +293,6 @@ def _reference(model: PreTrainedModel, cfg: TrainerConfig) -> torch.nn.Module:
     for p in ref.parameters():
         p.requires_grad_(False)
     return ref
-
-
-def _with_lora(model: PreTrainedModel, lora: LoraSettings | None) -> PreTrainedModel:
-    if lora is None:
-        return model
-    from peft import LoraConfig, get_peft_model
-
-    config = LoraConfig(
-        r=lora.r,
-        lora_alpha=lora.alpha,
-        lora_dropout=lora.dropout,
-        target_modules=lora.target_modules,
-        task_type="CAUSAL_LM",
-    )
-    return get_peft_model(model, config)  # type: ignore[return-value]
-
-
-@torch.no_grad()
-def _merged_lora_state(model: PreTrainedModel) -> dict[str, torch.Tensor]:
-    """Base weights with the adapter merged in, under the base model's key names."""
-    model.merge_adapter()  # type: ignore[operator]
-    try:
-        base = model.get_base_model()  # type: ignore[operator]
-        out = {}
-        for key, value in base.state_dict().items():
-            if "lora_" in key:
-                continue
-            out[key.replace(".base_layer", "")] = value.detach().clone()
-        return out
-    finally:
-        model.unmerge_adapter()  # type: ignore[operator]
 
 
 def _summary(
