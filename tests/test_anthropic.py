@@ -6,13 +6,16 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from pathlib import Path
+from unittest.mock import ANY
 
 import anthropic
 import httpx
 import pytest
 from transformers import AutoTokenizer
 
+from tracerl.auth import Keys
 from tracerl.gateway import Gateway, ServedModel, create_app
+from tracerl.limits import Limits
 from tracerl.server import BackgroundServer, serve_in_thread
 from tracerl.store.sqlite import SqliteStore
 
@@ -185,5 +188,36 @@ def test_sdk_raises_its_own_errors(served) -> None:  # type: ignore[no-untyped-d
         _client(server.url, "no-such-rollout").messages.create(
             model=MODEL, max_tokens=5, messages=[QUESTION]
         )
-    reply = httpx.post(f"{server.url}/v1/messages", content=b"{nope")
+    json = {"content-type": "application/json"}
+    reply = httpx.post(f"{server.url}/v1/messages", content=b"{nope", headers=json)
     assert reply.status_code == 400 and reply.json()["error"]["type"] == "invalid_request_error"
+
+
+def test_refusals_before_the_route_are_anthropic_errors(tiny_model_dir: Path) -> None:
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    models = {"policy": ServedModel("policy", ScriptedEngine(tokenizer), tokenizer)}
+    gateway = Gateway(SqliteStore(":memory:"), models, default_model="policy")
+    keys = Keys(admin="admin-key", runners={"w1": "runner-key"})
+    app = create_app(gateway, keys=keys, limits=Limits(max_body_bytes=4_000))
+    server = serve_in_thread(app)
+    try:
+        with pytest.raises(anthropic.AuthenticationError) as refused:
+            _client(server.url).messages.create(model=MODEL, max_tokens=5, messages=[QUESTION])
+        assert refused.value.body["type"] == "error"  # type: ignore[index]
+        body = {"model": MODEL, "max_tokens": 5, "messages": [QUESTION]}
+        for path, headers, status, kind in [
+            ("/v1/messages", {}, 401, "authentication_error"),
+            ("/v1/messages/count_tokens", {"x-api-key": "forged"}, 401, "authentication_error"),
+            ("/rollouts/r/v1/messages", {"x-api-key": "runner-key"}, 403, "permission_error"),
+        ]:
+            reply = httpx.post(f"{server.url}{path}", json=body, headers=headers)
+            assert reply.status_code == status, reply.text
+            assert reply.json() == {"type": "error", "error": {"type": kind, "message": ANY}}
+        big = {**body, "system": "x" * 5_000}
+        reply = httpx.post(
+            f"{server.url}/v1/messages", json=big, headers={"x-api-key": "admin-key"}
+        )
+        assert reply.status_code == 413 and reply.json()["error"]["type"] == "request_too_large"
+    finally:
+        server.stop()
+        gateway.close()

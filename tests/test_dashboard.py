@@ -25,6 +25,8 @@ from tracerl.store.sqlite import SqliteStore
 
 ROOT = Path(__file__).resolve().parents[1]
 LOOPBACK = ("127.0.0.1", 50000)
+BASE = "http://127.0.0.1:8765"
+"""The page's own address: the dashboard answers to loopback Host names only."""
 
 
 def bench() -> ModuleType:
@@ -49,7 +51,7 @@ def runs(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path
 
 @pytest.fixture(scope="module")
 def client(runs: Path) -> TestClient:
-    return TestClient(create_app(runs, admin_key=""), client=LOOPBACK)
+    return TestClient(create_app(runs, admin_key=""), base_url=BASE, client=LOOPBACK)
 
 
 def get(client: TestClient, path: str, status: int = 200) -> dict:
@@ -232,12 +234,12 @@ def test_control_is_open_on_loopback_and_sends_to_the_run(client: TestClient, ru
     ]:
         bad = client.post("/api/runs/big/control", json=body)
         assert bad.status_code == 400 and says in bad.json()["error"]["message"]
-    other = TestClient(create_app(runs, admin_key=""), client=("10.1.2.3", 4000))
+    other = TestClient(create_app(runs, admin_key=""), base_url=BASE, client=("10.1.2.3", 4000))
     assert other.post("/api/runs/big/control", json={"op": "pause"}).status_code == 403
 
 
 def test_control_needs_the_admin_key_when_one_is_set(runs: Path) -> None:
-    app = TestClient(create_app(runs, admin_key="s3cret"), client=LOOPBACK)
+    app = TestClient(create_app(runs, admin_key="s3cret"), base_url=BASE, client=LOOPBACK)
     assert app.get("/api/auth").json() == {"required": True}
     before = len(read_commands(runs / "big"))
     for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": "s3cret"}):

@@ -207,7 +207,8 @@ def test_bad_input_is_a_4xx_in_openai_shape(served, body, param) -> None:  # typ
 
 def test_invalid_json_is_a_400(served) -> None:  # type: ignore[no-untyped-def]
     server, _, _ = served
-    reply = httpx.post(f"{server.url}/v1/responses", content=b"{nope")
+    json = {"content-type": "application/json"}
+    reply = httpx.post(f"{server.url}/v1/responses", content=b"{nope", headers=json)
     assert reply.status_code == 400 and "JSON" in reply.json()["error"]["message"]
 
 

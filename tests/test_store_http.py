@@ -74,7 +74,8 @@ def test_unknown_rollout_is_404(http: httpx.Client) -> None:
     ],
 )
 def test_malformed_body_is_422(http: httpx.Client, path: str, content: bytes) -> None:
-    assert_error(http.post(path, content=content), 422, "invalid_request_error")
+    json = {"content-type": "application/json"}
+    assert_error(http.post(path, content=content, headers=json), 422, "invalid_request_error")
 
 
 def test_bad_query_is_422(http: httpx.Client) -> None:

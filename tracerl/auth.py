@@ -1,5 +1,5 @@
 """Who may call what: the service's keys, the principal each key names, and the check every
-route runs before its handler.
+request gets from its headers, before its body is read (KeysMiddleware).
 
 Three kinds of key:
 
@@ -17,7 +17,8 @@ the check also asks the store that the attempt still runs.
 Keys come from the environment (TRACERL_ADMIN_KEY, TRACERL_RUNNER_KEYS="id=key,...") or a
 TOML keys file, never from the command line (argv is visible to every user of the machine)
 and never into logs. Keys are compared with hmac.compare_digest. With no key configured
-everything is open, as on a laptop; `tracerl serve` refuses to listen beyond loopback so.
+everything is open, as on a laptop; `tracerl serve` refuses to listen beyond loopback so
+(and doors.py refuses what web pages could send it).
 """
 
 from __future__ import annotations
@@ -36,18 +37,20 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 from pathlib import Path
 
-from fastapi import Request
+from starlette.requests import Request
+from starlette.types import ASGIApp, Receive, Scope, Send
 
+from tracerl.refusals import Refusal, refuse
 from tracerl.store import NotFound, Store
 from tracerl.types import Rollout, RolloutStatus
 
 __all__ = [
     "AccessDenied",
     "Keys",
+    "KeysMiddleware",
     "Principal",
     "Role",
     "access_of",
-    "guard",
     "is_loopback",
     "key_of",
 ]
@@ -216,6 +219,9 @@ class Access(StrEnum):
 
 ACCESS: dict[tuple[str, str], Access] = {
     ("GET", "/health"): Access.open,
+    ("GET", "/openapi.json"): Access.open,
+    ("GET", "/docs"): Access.open,
+    ("GET", "/redoc"): Access.open,
     ("POST", "/rollouts/{rollout_id}/reward"): Access.agent,
     ("GET", "/store/tasks/{task_id}"): Access.runner,
     ("POST", "/store/claim"): Access.runner,
@@ -241,6 +247,7 @@ _MODEL_CALLS = re.compile(r"/rollouts/[^/]+/|/v1/")
 def access_of(method: str, path: str) -> Access:
     """Who may call `method` on `path` (the request's own path: matched here against the
     table, so the answer never depends on how routers were mounted)."""
+    method = "GET" if method == "HEAD" else method
     for rule_method, pattern, access in _RULES:
         if rule_method == method and pattern.fullmatch(path):
             return access
@@ -250,40 +257,89 @@ def access_of(method: str, path: str) -> Access:
 Lookup = Callable[[str], Awaitable[Rollout]]
 
 
-def guard(keys: Keys, store: Store | None, executor: Executor | None = None) -> Callable:
-    """A FastAPI dependency refusing calls the presented key may not make (AccessDenied),
-    and leaving the caller in `request.state.principal`."""
+@dataclass(frozen=True)
+class Call:
+    """What the guard reads of a request: its headers and path, never its body."""
 
-    async def lookup(rollout_id: str) -> Rollout:
-        if store is None:
-            raise NotFound(f"no rollout {rollout_id!r}")
-        loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(executor, store.get_rollout, rollout_id)
+    method: str
+    """HTTP method (HEAD is checked as GET)."""
+    path: str
+    """The request's own path."""
+    key: str | None
+    """The key it presents (key_of)."""
+    rollout_header: str | None
+    """Its X-Tracerl-Rollout header."""
 
-    async def check(request: Request) -> None:
-        request.state.principal = Principal(Role.admin)
-        if not keys.enabled:
+    @property
+    def target(self) -> str | None:
+        """The rollout the path names: /rollouts/<id>/... or /store/rollouts/<id>/..."""
+        match = _TARGET.match(self.path)
+        return match.group(1) if match else None
+
+
+_TARGET = re.compile(r"^(?:/store)?/rollouts/([^/]+)(?:/|$)")
+
+
+class KeysMiddleware:
+    """Every route behind `keys`, checked from the request's headers before its body is
+    read: an anonymous or unentitled caller uploading 60 MB is refused at the first byte,
+    not after the last. The caller is left in `request.state.principal`; refusals are JSON
+    in the shape of the API the path belongs to (tracerl.refusals)."""
+
+    def __init__(
+        self, app: ASGIApp, keys: Keys, store: Store | None, executor: Executor | None = None
+    ) -> None:
+        self.app = app
+        self.keys = keys
+        self.store = store
+        self.executor = executor
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
             return
-        access = access_of(request.method, request.url.path)
+        try:
+            principal = await self.principal(scope)
+        except AccessDenied as e:
+            headers = {"WWW-Authenticate": "Bearer"} if e.status == 401 else None
+            await refuse(scope, send, Refusal(e.status, e.message, e.kind, headers=headers), True)
+            return
+        except NotFound as e:  # a holder's rollout that does not exist: 404 like any other
+            await refuse(scope, send, Refusal(404, e.message, "NotFound"), close=True)
+            return
+        scope.setdefault("state", {})["principal"] = principal
+        await self.app(scope, receive, send)
+
+    async def principal(self, scope: Scope) -> Principal:
+        """The caller, or AccessDenied when it may not make this call."""
+        if not self.keys.enabled:
+            return Principal(Role.admin)
+        request = Request(scope)  # headers only: its body is never asked for here
+        rollout_header = request.headers.get(ROLLOUT_HEADER)
+        call = Call(request.method, request.url.path, key_of(request), rollout_header)
+        access = access_of(call.method, call.path)
         if access is Access.open:
-            return
-        key = key_of(request)
-        if key is None:
+            return Principal(Role.anonymous)
+        if call.key is None:
             raise AccessDenied(401, "this call needs an API key (Authorization: Bearer ...)")
-        principal = keys.identify(key)
+        principal = self.keys.identify(call.key)
         if principal is None:
             raise AccessDenied(401, "invalid API key")
-        request.state.principal = principal
-        await _allow(principal, access, request, lookup)
+        await _allow(principal, access, call, self._lookup)
+        return principal
 
-    return check
+    async def _lookup(self, rollout_id: str) -> Rollout:
+        if self.store is None:
+            raise NotFound(f"no rollout {rollout_id!r}")
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self.executor, self.store.get_rollout, rollout_id)
 
 
-async def _allow(who: Principal, access: Access, request: Request, lookup: Lookup) -> None:
+async def _allow(who: Principal, access: Access, call: Call, lookup: Lookup) -> None:
     """Raise AccessDenied unless `who` may make a call that needs `access`."""
     if who.role is Role.admin:
         return
-    target = request.path_params.get("rollout_id")
+    target = call.target
     if who.role is Role.agent:
         assert who.rollout_id is not None
         rollout = await _or_none(lookup, who.rollout_id)
@@ -291,7 +347,7 @@ async def _allow(who: Principal, access: Access, request: Request, lookup: Looku
             raise AccessDenied(401, "this agent key's attempt has ended")
         if rollout.attempt != who.attempt:
             raise AccessDenied(401, "this agent key's attempt has ended")
-        target = target or request.headers.get(ROLLOUT_HEADER)
+        target = target or call.rollout_header
         if access is not Access.agent or target != who.rollout_id:
             raise AccessDenied(403, f"an agent key serves only rollout {who.rollout_id!r}")
         return
@@ -302,7 +358,7 @@ async def _allow(who: Principal, access: Access, request: Request, lookup: Looku
         if rollout.status is RolloutStatus.running and rollout.runner_id == who.runner_id:
             return
         raise AccessDenied(403, f"runner {who.runner_id!r} holds no lease on {target!r}")
-    raise AccessDenied(403, f"a runner key may not call {request.method} {request.url.path}")
+    raise AccessDenied(403, f"a runner key may not call {call.method} {call.path}")
 
 
 async def _or_none(lookup: Lookup, rollout_id: str) -> Rollout | None:

@@ -20,12 +20,13 @@ from __future__ import annotations
 import asyncio
 import re
 from collections.abc import Awaitable
-from typing import Any, TypeVar
+from typing import TypeVar
 
-import orjson
 from pydantic import BaseModel, ConfigDict, Field
 from starlette.requests import Request
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from tracerl.refusals import Refusal, refuse
 
 __all__ = ["ClientGone", "Limits", "LimitsMiddleware", "unless_disconnected"]
 
@@ -85,12 +86,6 @@ async def _disconnect(request: Request) -> None:
         pass
 
 
-class _Refused(Exception):
-    def __init__(self, status: int, message: str, code: str) -> None:
-        super().__init__(message)
-        self.status, self.message, self.code = status, message, code
-
-
 class LimitsMiddleware:
     """Body size and arrival time, and per-rollout concurrency, for every HTTP route."""
 
@@ -106,8 +101,8 @@ class LimitsMiddleware:
             return
         try:
             body = await self._body(scope, receive)
-        except _Refused as e:
-            await _refuse(send, e)
+        except Refusal as e:  # the rest of the body is not read: the connection closes
+            await refuse(scope, send, e, close=True)
             return
         except ClientGone:
             return
@@ -115,7 +110,7 @@ class LimitsMiddleware:
         if rollout is not None and self.in_flight.get(rollout, 0) >= self.limits.max_in_flight:
             limit = self.limits.max_in_flight
             message = f"rollout {rollout!r} already has {limit} model calls in flight"
-            await _refuse(send, _Refused(429, message, "too_many_calls_in_flight"))
+            await refuse(scope, send, _refusal(429, message, "too_many_calls_in_flight"))
             return
         if rollout is not None:
             self.in_flight[rollout] = self.in_flight.get(rollout, 0) + 1
@@ -137,13 +132,13 @@ class LimitsMiddleware:
         limit = self.limits.max_body_bytes
         declared = _content_length(scope)
         if declared is not None and declared > limit:
-            raise _Refused(413, f"request body of {declared} bytes is over {limit}", "too_large")
+            raise _refusal(413, f"request body of {declared} bytes is over {limit}", "too_large")
         try:
             # A timeout scope, not wait_for: no task per request.
             async with asyncio.timeout(self.limits.body_timeout_s):
                 return await _read(receive, limit)
         except TimeoutError:
-            raise _Refused(
+            raise _refusal(
                 408,
                 f"request body did not arrive within {self.limits.body_timeout_s:g}s",
                 "request_timeout",
@@ -159,7 +154,7 @@ async def _read(receive: Receive, limit: int) -> bytes:
         chunk = message.get("body", b"")
         size += len(chunk)
         if size > limit:
-            raise _Refused(413, f"request body is over {limit} bytes", "too_large")
+            raise _refusal(413, f"request body is over {limit} bytes", "too_large")
         chunks.append(chunk)
         if not message.get("more_body", False):
             return b"".join(chunks)
@@ -200,12 +195,6 @@ def _rollout_of(scope: Scope) -> str | None:
     return None
 
 
-async def _refuse(send: Send, e: _Refused) -> None:
-    kind = "rate_limit_error" if e.status == 429 else "invalid_request_error"
-    error: dict[str, Any] = {"message": e.message, "type": kind, "param": None, "code": e.code}
-    body = orjson.dumps({"error": error})
-    headers = [(b"content-type", b"application/json"), (b"content-length", b"%d" % len(body))]
-    if e.status in (408, 413):
-        headers.append((b"connection", b"close"))  # the rest of the body is not read
-    await send({"type": "http.response.start", "status": e.status, "headers": headers})
-    await send({"type": "http.response.body", "body": body})
+def _refusal(status: int, message: str, code: str) -> Refusal:
+    kind = "rate_limit_error" if status == 429 else "invalid_request_error"
+    return Refusal(status, message, kind, code)

@@ -172,8 +172,9 @@ def start_multi_stack(
     role of `roles` (role -> policy) with that policy's engine, reading its replies as
     `formats` says (role -> format; a role not in it: read off its chat template), to each
     role of `remote` by forwarding to its OpenAI-compatible URL, and to other names as
-    `gateway_cfg` maps them. `keys` (None: open) and `limits` guard the HTTP API
-    (tracerl.auth, tracerl.limits); `place` puts server engines' servers (see make_engine)."""
+    `gateway_cfg` maps them. `keys` (None: open, to loopback names and `host` only) and
+    `limits` guard the HTTP API (tracerl.doors); `place` puts server engines' servers (see
+    make_engine)."""
     engine_cfg = engine_cfg or EngineConfig()
     missing = sorted(set(roles.values()) - set(models))
     if missing:
@@ -198,5 +199,8 @@ def start_multi_stack(
     gateway = Gateway(store, served, remote=remote, aliases=names.model_aliases,
                       default_model=names.default_model, record=names.record,
                       session_idle_s=names.session_idle_s, assets=names.assets)  # fmt: skip
-    server = serve_in_thread(create_app(gateway, keys=keys, limits=limits), host, port)
+    # Without keys, Host names the server answers to: loopback ones and the one it listens on
+    # (a cluster's gateway_host, which its runners call it by).
+    app = create_app(gateway, keys=keys, limits=limits, hosts=[host])
+    server = serve_in_thread(app, host, port)
     return LocalStack(store, engines, gateway, server)

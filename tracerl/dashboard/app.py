@@ -4,7 +4,9 @@ Read endpoints take the run's name and read its files (tracerl.dashboard.runs) a
 store (tracerl.dashboard.queries, read-only). The control endpoint appends a command to the
 run's control.jsonl (tracerl.pipeline.control_files); the training loop applies it between
 steps. Control needs `Authorization: Bearer <TRACERL_ADMIN_KEY>` when that key is set, and
-is open without a key only to loopback clients.
+is open without a key only to loopback clients. Whatever the key, the page answers to
+loopback Host names only and refuses other pages' Origins and non-JSON bodies
+(tracerl.doors): a web page the user opens can neither steer a run nor read it.
 
 Every error is JSON, {"error": {"message", "type"}}, with a 4xx status for bad input (an
 unknown run or rollout, a bad filter, a refused setting) and 503 for a store that cannot be
@@ -22,7 +24,8 @@ from typing import Annotated, Any
 from fastapi import Depends, FastAPI, Query, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
-from pydantic import BaseModel, ConfigDict, Field, JsonValue
+from pydantic import BaseModel, ConfigDict, Field, JsonValue, TypeAdapter, ValidationError
+from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from tracerl.algorithms.config import AlgorithmConfig
@@ -31,7 +34,9 @@ from tracerl.dashboard.config import is_loopback
 from tracerl.dashboard.queries import Health, Page, RolloutFilter, RunStore
 from tracerl.dashboard.runs import MetricsChunk, Runs, RunStatus, RunSummary
 from tracerl.dashboard.traceview import Decoder, TraceView, trace_view
+from tracerl.doors import DoorsMiddleware
 from tracerl.pipeline.control_files import Command, Op, is_live, read_state, send
+from tracerl.store.wire import body_doc
 
 __all__ = ["ApiError", "ControlRequest", "create_app"]
 
@@ -96,6 +101,9 @@ def create_app(runs_root: str | Path, admin_key: str | None = None) -> FastAPI:
     key = (admin_key if admin_key is not None else os.environ.get("TRACERL_ADMIN_KEY")) or None
     runs = Runs(Path(runs_root))
     app = FastAPI(title="tracerl dashboard", docs_url=None, redoc_url=None)
+    # It listens on loopback only (DashboardCommand): a web page may neither steer it (a
+    # foreign Origin, a text/plain body) nor read it by DNS rebinding (a foreign Host).
+    app.add_middleware(DoorsMiddleware)
     _install_errors(app)
     _page_routes(app, key)
     _run_routes(app, runs)
@@ -203,14 +211,30 @@ def _control_routes(app: FastAPI, runs: Runs, key: str | None) -> None:
         elif request.client is None or not is_loopback(request.client.host):
             raise ApiError(403, "control without an admin key is open to loopback only", "auth")
 
-    @app.post("/api/runs/{run}/control", status_code=202, dependencies=[Depends(authorize)])
-    def control(run: str, body: ControlRequest) -> dict[str, Any]:
-        path = _run_dir(runs, run)
+    # The handler reads its body itself, so the key is checked before a byte of it is read
+    # (FastAPI reads a declared body before it runs the route's dependencies).
+    @app.post(
+        "/api/runs/{run}/control",
+        status_code=202,
+        dependencies=[Depends(authorize)],
+        openapi_extra=body_doc(TypeAdapter(ControlRequest)),
+    )
+    async def control(run: str, request: Request) -> dict[str, Any]:
         try:
-            cmd: Command = send(path, body.op, body.key, body.value, origin="dashboard")
-        except ValueError as e:
-            raise ApiError(400, str(e)) from None
-        return {"command": cmd.model_dump(), "live": is_live(read_state(path))}
+            body = ControlRequest.model_validate_json(await request.body())
+        except ValidationError as e:
+            raise RequestValidationError(e.errors(include_url=False)) from None
+        return await run_in_threadpool(_control, runs, run, body)
+
+
+def _control(runs: Runs, run: str, body: ControlRequest) -> dict[str, Any]:
+    """Append the command to the run's control file (file I/O: on a worker thread)."""
+    path = _run_dir(runs, run)
+    try:
+        cmd: Command = send(path, body.op, body.key, body.value, origin="dashboard")
+    except ValueError as e:
+        raise ApiError(400, str(e)) from None
+    return {"command": cmd.model_dump(), "live": is_live(read_state(path))}
 
 
 _TYPES = {".html": "text/html", ".js": "text/javascript", ".css": "text/css"}

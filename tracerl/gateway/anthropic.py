@@ -8,7 +8,8 @@ not part of the content the template re-renders). So an agent's next turn extend
 one exactly, and token-in/token-out reuses its ids. Each call is one span. A model's
 reasoning (`<think>...</think>`) comes back as a `thinking` block before its text.
 
-What clients send beyond that is accepted: the x-api-key / Bearer key (not checked here),
+What clients send beyond that is accepted: the x-api-key / Bearer key (checked before the
+route, by tracerl.auth, whose refusals here are Anthropic-shaped too: tracerl.refusals),
 anthropic-version and anthropic-beta headers, ?beta=true, cache_control, thinking,
 context_management, output_config, metadata. Tools of server types the gateway cannot run
 (web_search_..., bash_..., text_editor_..., computer_...) are left out with a warning.
@@ -39,21 +40,13 @@ from tracerl.gateway.wire import (
     read_json,
     rollout_of,
 )
+from tracerl.refusals import anthropic_type
 from tracerl.store.wire import body_doc
 
 __all__ = ["MessagesRequest", "register_messages"]
 
 log = logging.getLogger(__name__)
 
-_ERROR_TYPES = {
-    400: "invalid_request_error",
-    401: "authentication_error",
-    403: "permission_error",
-    404: "not_found_error",
-    413: "request_too_large",
-    429: "rate_limit_error",
-    529: "overloaded_error",
-}
 _DROPPED_BLOCKS = {"thinking", "redacted_thinking"}
 _warned: set[str] = set()
 
@@ -89,9 +82,9 @@ class MessagesRequest(BaseModel):
 
 
 def error_body(e: GatewayError) -> dict[str, Any]:
-    """A refusal in Anthropic's error shape."""
-    kind = _ERROR_TYPES.get(e.status, "api_error" if e.status >= 500 else "invalid_request_error")
-    return {"type": "error", "error": {"type": kind, "message": e.message}}
+    """A refusal in Anthropic's error shape (the refusals before the route share it:
+    tracerl.refusals)."""
+    return {"type": "error", "error": {"type": anthropic_type(e.status), "message": e.message}}
 
 
 def register_messages(app: FastAPI, gateway: Gateway) -> None:

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Collection
 from typing import Any
 
 import orjson
@@ -21,7 +21,8 @@ from fastapi.responses import Response, StreamingResponse
 from pydantic import BaseModel, Field, TypeAdapter, ValidationError, model_validator
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from tracerl.auth import Keys, guard
+from tracerl.auth import Keys
+from tracerl.doors import guard_app
 from tracerl.gateway.anthropic import register_messages
 from tracerl.gateway.chat import ChatRequest, CompletionRequest, wire_message
 from tracerl.gateway.core import Choice, Gateway, GatewayError, Served, decode, invalid
@@ -35,7 +36,7 @@ from tracerl.gateway.wire import (  # noqa: F401  ROLLOUT_HEADER is re-exported
     ROLLOUT_HEADER,
     rollout_of,
 )
-from tracerl.limits import ClientGone, Limits, LimitsMiddleware, unless_disconnected
+from tracerl.limits import ClientGone, Limits, unless_disconnected
 from tracerl.store.http import install_error_handlers, store_router
 from tracerl.store.wire import body_doc, errors_doc
 from tracerl.types import RewardValue
@@ -106,24 +107,23 @@ def create_app(
     with_store_api: bool = True,
     keys: Keys | None = None,
     limits: Limits | None = None,
+    hosts: Collection[str] = (),
 ) -> FastAPI:
     """The FastAPI app serving the OpenAI routes (and the store's API under /store), behind
-    `keys` (None: every route open, the loopback default) and `limits`."""
+    `keys` (None: every route open, the loopback default) and `limits`. Without keys it
+    answers to loopback Host names and `hosts` (the address it listens on) only."""
     keys = keys or Keys()
     limits = limits or Limits()
     app = FastAPI(
         title="tracerl gateway",
         docs_url=None,
         redoc_url=None,
-        # Every route, those of API modules registered below included, is behind the guard.
-        # Attribution after the guard: a refused caller never opens a session.
-        dependencies=[
-            Depends(guard(keys, gateway.store, gateway.store_executor)),
-            Depends(attribute(gateway.store, gateway.sessions)),
-        ],
-        responses=errors_doc(401, 403, 408, 413),
+        # Attribution runs after the keys' check (a middleware): a refused caller never
+        # opens a session.
+        dependencies=[Depends(attribute(gateway.store, gateway.sessions))],
+        responses=errors_doc(401, 403, 408, 413, 415),
     )
-    app.add_middleware(LimitsMiddleware, limits=limits)
+    guard_app(app, keys, limits, gateway.store, gateway.store_executor, hosts)
     install_error_handlers(app)
     _install_gateway_errors(app)
 

@@ -28,15 +28,16 @@ from collections.abc import Callable, Mapping
 from concurrent.futures import Executor
 from typing import Annotated, Any, TypeVar
 
-from fastapi import APIRouter, Depends, FastAPI, Query, Request, Response
+from fastapi import APIRouter, FastAPI, Query, Request, Response
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, TypeAdapter, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from tracerl.assets.records import Asset, Comparison, Optimization
-from tracerl.auth import AccessDenied, Keys, guard
-from tracerl.limits import Limits, LimitsMiddleware
+from tracerl.auth import Keys
+from tracerl.doors import guard_app
+from tracerl.limits import Limits
 from tracerl.store import Store, StoreError
 from tracerl.store.client import StoreClient
 from tracerl.store.sessions import SessionRequest
@@ -407,17 +408,10 @@ async def _http_error(_: Request, exc: Exception) -> JSONResponse:
     return _error(exc.status_code, "invalid_request_error", str(exc.detail), exc.headers)
 
 
-async def _access_denied(_: Request, exc: Exception) -> JSONResponse:
-    assert isinstance(exc, AccessDenied)
-    headers = {"WWW-Authenticate": "Bearer"} if exc.status == 401 else None
-    return _error(exc.status, exc.kind, exc.message, headers)
-
-
 def install_error_handlers(app: FastAPI) -> None:
-    """Turn StoreErrors (404/409), bad requests (422), refused keys (401/403) and HTTP errors
-    (unknown route, wrong method) into `{"error": {"message", "type"}}` JSON, never a 500
-    with a traceback."""
-    app.add_exception_handler(AccessDenied, _access_denied)
+    """Turn StoreErrors (404/409), bad requests (422) and HTTP errors (unknown route, wrong
+    method) into `{"error": {"message", "type"}}` JSON, never a 500 with a traceback (refused
+    keys are the middleware's: guard_app)."""
     app.add_exception_handler(StoreError, _store_error)
     app.add_exception_handler(RequestValidationError, _validation_error)
     app.add_exception_handler(StarletteHTTPException, _http_error)
@@ -430,15 +424,11 @@ def create_store_app(
     limits: Limits | None = None,
 ) -> FastAPI:
     """A standalone app serving `store` under /store (store calls on `executor`), behind
-    `keys` (none: open) and `limits`."""
+    `keys` (none: open, to loopback Host names only) and `limits`."""
     keys = keys or Keys()
-    app = FastAPI(
-        title="tracerl store",
-        dependencies=[Depends(guard(keys, store, executor))],
-        responses=errors_doc(401, 403, 408, 413),
-    )
+    app = FastAPI(title="tracerl store", responses=errors_doc(401, 403, 408, 413, 415))
     limits = limits or Limits()
     app.include_router(store_router(store, executor, keys, limits=limits), prefix="/store")
     install_error_handlers(app)
-    app.add_middleware(LimitsMiddleware, limits=limits)
+    guard_app(app, keys, limits, store, executor)
     return app

@@ -197,7 +197,8 @@ _REASONS = {
     400: "Bad request", 401: "No key, or a key nobody issued (or whose attempt ended)",
     403: "The key may not make this call", 404: "No such record", 405: "Wrong method",
     408: "The body did not arrive in time", 409: "The state or lease changed",
-    413: "The body is too large", 422: "The body or query is invalid",
+    413: "The body is too large", 415: "The body is not application/json",
+    422: "The body or query is invalid",
     429: "Too many calls in flight", 502: "The remote model failed",
 }  # fmt: skip
 
