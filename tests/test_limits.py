@@ -15,6 +15,7 @@ from types import ModuleType
 from urllib.parse import urlparse
 
 import httpx
+import orjson
 import pytest
 
 from tracerl.auth import Keys
@@ -105,6 +106,44 @@ def test_prompts_over_the_context_are_refused_before_sampling(service) -> None: 
     error = _error(httpx.post(f"{service.url}/v1/completions", json=ids), 400)
     assert error["code"] == "context_length_exceeded"
     assert service.engine.started == started  # the engine never saw either
+
+
+@pytest.fixture(scope="module")
+def roomy(tiny_model_dir: Path) -> Iterator:  # type: ignore[type-arg]
+    """The service with the default limits: a 10 MB body gets through to the route."""
+    s = security.start_service(tiny_model_dir, Keys())
+    yield s
+    s.close()
+
+
+@pytest.mark.parametrize("api", ["chat", "completions", "messages"])
+def test_a_long_prompt_is_refused_before_it_is_tokenized(roomy, api: str) -> None:  # type: ignore[no-untyped-def]
+    text = "x" * 10 * 2**20  # one 10 MB word: tens of seconds of BPE merges on this machine
+    path, body = {
+        "chat": ("/v1/chat/completions", _chat(messages=[{"role": "user", "content": text}])),
+        "completions": ("/v1/completions", {"model": "policy", "prompt": text}),
+        "messages": ("/v1/messages", {"model": "policy", "max_tokens": 5,
+                                      "messages": [{"role": "user", "content": text}]}),
+    }[api]  # fmt: skip
+    payload = orjson.dumps(body)
+    started = time.monotonic()
+    resp = httpx.post(
+        f"{roomy.url}{path}",
+        content=payload,
+        headers={"content-type": "application/json"},
+        timeout=60,
+    )
+    elapsed = time.monotonic() - started
+    assert resp.status_code == 400, resp.text[:300]
+    if api == "messages":  # Anthropic's shape and words (Claude clients compact on them)
+        assert resp.json()["type"] == "error"
+        assert resp.json()["error"]["message"].startswith("prompt is too long")
+    else:
+        error = resp.json()["error"]
+        assert error["code"] == "context_length_exceeded", error
+        assert error["param"] == ("prompt" if api == "completions" else "messages")
+    assert elapsed < 1.0, elapsed
+    assert roomy.engine.started == 0
 
 
 def test_n_and_max_tokens_are_bounded(service) -> None:  # type: ignore[no-untyped-def]

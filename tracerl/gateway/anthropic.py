@@ -84,7 +84,10 @@ class MessagesRequest(BaseModel):
 def error_body(e: GatewayError) -> dict[str, Any]:
     """A refusal in Anthropic's error shape (the refusals before the route share it:
     tracerl.refusals)."""
-    return {"type": "error", "error": {"type": anthropic_type(e.status), "message": e.message}}
+    message = e.message
+    if e.code == "context_length_exceeded":  # Anthropic's words, which Claude clients act on
+        message = f"prompt is too long: {message}"
+    return {"type": "error", "error": {"type": anthropic_type(e.status), "message": message}}
 
 
 def register_messages(app: FastAPI, gateway: Gateway) -> None:

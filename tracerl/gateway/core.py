@@ -37,6 +37,7 @@ from tracerl.gateway.prompting import (
     inline_ids,
     request_messages,
     thread_prompt,
+    too_long,
     tool_dicts,
 )
 from tracerl.gateway.record import Call, SpanRecorder, span_ids
@@ -359,13 +360,8 @@ class Gateway:
     ) -> SamplingParams:
         room = served.engine.max_context - prompt_len
         if room < 1:
-            raise GatewayError(
-                400,
-                f"This model's maximum context length is {served.engine.max_context} tokens; "
-                f"the prompt holds {prompt_len}.",
-                param="messages",
-                code="context_length_exceeded",
-            )
+            param = "messages" if isinstance(req, ChatRequest) else "prompt"
+            raise too_long(prompt_len, served.engine.max_context, param)
         return SamplingParams(
             max_tokens=min(limit or served.default_max_tokens, room),
             temperature=req.temperature,

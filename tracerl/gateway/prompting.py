@@ -8,7 +8,7 @@ from tracerl.gateway.chat import ChatRequest, Message, ToolSpec, normalize_messa
 from tracerl.gateway.errors import GatewayError
 from tracerl.gateway.served import ServedModel
 from tracerl.gateway.threads import HistoryKey, Placement, Thread, place
-from tracerl.gateway.tito import History, Prompt
+from tracerl.gateway.tito import History, Prompt, PromptTooLong
 
 __all__ = [
     "INLINE_IDS",
@@ -17,6 +17,7 @@ __all__ = [
     "inline_ids",
     "request_messages",
     "thread_prompt",
+    "too_long",
     "tool_dicts",
 ]
 
@@ -56,6 +57,8 @@ def _build(
 ) -> Prompt:
     try:
         return served.prompts.build(messages, tools, prev)
+    except PromptTooLong as e:
+        raise too_long(e.tokens, e.max_context, "messages", at_least=True) from None
     except GatewayError:
         raise
     except Exception as e:  # a template that cannot render this conversation
@@ -65,7 +68,10 @@ def _build(
 def completion_ids(served: ServedModel, prompt: str | list[int]) -> list[int]:
     """A raw completion's prompt ids: text tokenized as the tokenizer does, or ids checked."""
     if isinstance(prompt, str):
-        ids = served.prompts.encode(prompt, special=True)
+        try:
+            ids = served.prompts.encode(prompt, special=True)
+        except PromptTooLong as e:
+            raise too_long(e.tokens, e.max_context, "prompt", at_least=True) from None
     else:
         ids = list(prompt)
         if ids and not (min(ids) >= 0 and max(ids) < served.vocab_size):
@@ -74,6 +80,18 @@ def completion_ids(served: ServedModel, prompt: str | list[int]) -> list[int]:
     if not ids:
         raise GatewayError(400, "prompt is empty", param="prompt")
     return ids
+
+
+def too_long(tokens: int, max_context: int, param: str, at_least: bool = False) -> GatewayError:
+    """OpenAI's refusal of a prompt over the context (`at_least`: counted by its bytes,
+    before it was tokenized)."""
+    holds = f"at least {tokens}" if at_least else str(tokens)
+    return GatewayError(
+        400,
+        f"This model's maximum context length is {max_context} tokens; the prompt holds {holds}.",
+        param=param,
+        code="context_length_exceeded",
+    )
 
 
 def inline_ids(prompt: str | list[int]) -> bool:

@@ -56,7 +56,9 @@ class ServedModel:
 
     def __post_init__(self) -> None:
         self.vocab_size = len(self.tokenizer)
-        self.prompts = PromptBuilder(self.tokenizer)
+        # Bounded by the engine's context: a prompt that cannot fit is refused before it is
+        # tokenized (tito.PromptTooLong).
+        self.prompts = PromptBuilder(self.tokenizer, self.engine.max_context)
         template = self.tokenizer.chat_template
         self.tool_format = self._tool_format(template)
         self.reasoning = self._reasoning(template)

@@ -64,6 +64,26 @@ class Prompt:
     """How the request's tools, calls and results were rendered; None when it had none."""
 
 
+class PromptTooLong(ValueError):
+    """A prompt found, before it was tokenized, to hold at least `tokens` tokens: no room
+    is left in a context of `max_context`."""
+
+    def __init__(self, tokens: int, max_context: int) -> None:
+        super().__init__(f"the prompt holds at least {tokens} tokens; the context is {max_context}")
+        self.tokens, self.max_context = tokens, max_context
+
+
+def longest_token_bytes(tokenizer: PreTrainedTokenizerBase) -> int:
+    """UTF-8 bytes of the tokenizer's longest token, added (special) tokens included.
+
+    No token stands for more bytes of text than its own spelling holds (a byte-level
+    token spells each byte with one character, a SentencePiece token spells a space as the
+    3-byte "▁", a byte-fallback token spells one byte as "<0x0A>"), so a text of B bytes
+    holds at least B / this many tokens."""
+    vocab = tokenizer.get_vocab()
+    return max((len(token.encode()) for token in vocab), default=1) or 1
+
+
 def _compile(tokenizer: PreTrainedTokenizerBase) -> Any:
     """The tokenizer's chat template compiled by transformers' own (cached) compiler."""
     template = tokenizer.chat_template
@@ -77,10 +97,19 @@ def _compile(tokenizer: PreTrainedTokenizerBase) -> Any:
 
 
 class PromptBuilder:
-    """Renders chat requests to ids with one tokenizer, reusing earlier ids when it can."""
+    """Renders chat requests to ids with one tokenizer, reusing earlier ids when it can.
 
-    def __init__(self, tokenizer: PreTrainedTokenizerBase) -> None:
+    With a `max_context`, a text is measured before it is tokenized: one whose bytes alone
+    show it cannot fit (bytes / longest_token_bytes >= max_context) raises PromptTooLong at
+    once. Tokenizing is what costs (a 10 MB word takes BPE tens of seconds, on the one
+    tokenizer thread every call shares); counting bytes takes milliseconds."""
+
+    def __init__(self, tokenizer: PreTrainedTokenizerBase, max_context: int | None = None) -> None:
         self.tokenizer = tokenizer
+        self.max_context = max_context
+        """Refuse texts that cannot fit in this many tokens; None: no bound."""
+        self.longest = longest_token_bytes(tokenizer)
+        """The longest token's bytes: no token covers more of a text."""
         eos = tokenizer.eos_token
         if not isinstance(eos, str):
             raise ValueError("the tokenizer needs an eos token to close assistant turns")
@@ -90,6 +119,9 @@ class PromptBuilder:
         self.eos_id: int = eos_id
         self._compiled = _compile(tokenizer)
         self._fast = getattr(tokenizer, "backend_tokenizer", None)
+        # A normalizer may shorten text before the tokens are cut (NFKC turns 4-byte letters
+        # into 1-byte ones): the bound measures what the tokens are cut from.
+        self._normalizer = getattr(self._fast, "normalizer", None)
         self._specials = {
             k: v for k, v in tokenizer.special_tokens_map.items() if isinstance(v, str)
         }
@@ -120,9 +152,11 @@ class PromptBuilder:
         assert isinstance(text, str)
         return text
 
-    def encode(self, text: str, special: bool = False) -> list[int]:
+    def encode(self, text: str, special: bool = False, before: int = 0) -> list[int]:
         """Ids of text. A rendered template already holds every special token it needs;
-        `special` adds the tokenizer's own (BOS...) for raw text completions."""
+        `special` adds the tokenizer's own (BOS...) for raw text completions. `before`
+        ids precede these in the prompt (PromptTooLong counts them)."""
+        self.check_length(text, before)
         if self._fast is not None:  # the Rust tokenizer directly: no Python-side wrapping
             # encode_batch, not encode: it releases the GIL while it tokenizes, so a huge
             # prompt on the gateway's tokenizer thread never stalls the event loop (encode
@@ -130,6 +164,17 @@ class PromptBuilder:
             (encoding,) = self._fast.encode_batch([text], add_special_tokens=special)
             return list(encoding.ids)
         return list(self.tokenizer.encode(text, add_special_tokens=special))
+
+    def check_length(self, text: str, before: int = 0) -> None:
+        """Raise PromptTooLong if `before` ids and the tokens of `text` cannot leave room
+        for a completion, judged by the text's bytes alone."""
+        if self.max_context is None:
+            return
+        if self._normalizer is not None:
+            text = self._normalizer.normalize_str(text)
+        at_least = before + -(-len(text.encode()) // self.longest)
+        if at_least >= self.max_context:
+            raise PromptTooLong(at_least, self.max_context)
 
     def build(
         self, messages: list[Message], tools: list[dict] | None, prev: History | None
@@ -155,7 +200,7 @@ class PromptBuilder:
         # A completion cut by max_tokens never sampled its end token: the template's end
         # token is appended as context (the loss mask comes from the span, not from here).
         head = turn.ids if turn.end == "eos" else [*turn.ids, self.eos_id]
-        ids = head + self.encode(suffix)
+        ids = head + self.encode(suffix, before=len(head))
         return Prompt(ids=ids, reused=len(turn.ids), tool_rendering=rendering)
 
 
