@@ -380,6 +380,9 @@ class SamplingParams(_Record):
     """Stop strings: generation ends when the decoded completion contains one."""
     seed: int | None = None
     """Seed for this request's sampler; None draws from the engine's generator."""
+    top_logprobs: int = Field(default=0, ge=0)
+    """How many of the most likely tokens to return at each sampled position (with their
+    log-probs, from the distribution `logprobs` are taken from); 0: none."""
 
 
 class Generation(_Record):
@@ -395,6 +398,10 @@ class Generation(_Record):
     """Version of the weights that produced every token of this completion."""
     stop_string: str | None = None
     """The stop string that ended generation, if any."""
+    top_logprobs: list[list[tuple[int, float]]] = Field(default_factory=list)
+    """With SamplingParams.top_logprobs = k: for each sampled token, the k most likely
+    (token id, log-prob) at its position, best first (fewer where a grammar allows fewer);
+    empty otherwise, or from an engine that cannot tell."""
 
 
 class Transition(_Record):

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import math
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import cast
@@ -105,6 +106,9 @@ class Row:
     """Tokens sampled so far."""
     logprobs: list[float] = field(default_factory=list)
     """Their log-probs at the row's temperature (under its grammar's mask, if any)."""
+    top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
+    """At each of them, the params.top_logprobs most likely (id, log-prob) of that same
+    distribution; empty when none were asked for."""
     matcher: Matcher | None = None
     """The request's grammar state, for a constrained request (constrained.py)."""
 
@@ -176,8 +180,9 @@ def left_padded(prompts: list[list[int]], pad_id: int) -> tuple[torch.Tensor, to
 
 
 def sample(batch: Batch, logits_BV: torch.Tensor) -> None:
-    """Pick each row's next token with its own sampler; record it and its log-prob. A
-    constrained row samples from, and records, its grammar-masked distribution."""
+    """Pick each row's next token with its own sampler; record it and its log-prob (and the
+    most likely tokens, for a row that asks). A constrained row samples from, and records,
+    its grammar-masked distribution."""
     rows = batch.rows
     logits_BV = masked([r.matcher for r in rows], logits_BV)
     params = [r.request.params for r in rows]
@@ -200,12 +205,27 @@ def sample(batch: Batch, logits_BV: torch.Tensor) -> None:
         ]
         token_B[sampled] = torch.cat(draws)
     logp_B = logp_BV.gather(1, token_B[:, None])[:, 0]
+    _record_top(rows, logp_BV)
     batch.next_B = token_B
     for row, token, logp in zip(rows, token_B.tolist(), logp_B.tolist(), strict=True):
         row.completion_ids.append(token)
         row.logprobs.append(logp)
         if row.matcher is not None:
             row.matcher.advance(token)
+
+
+def _record_top(rows: list[Row], logp_BV: torch.Tensor) -> None:
+    """Append each asking row's most likely tokens at this step (tokens its grammar masks
+    out, at -inf, are no alternatives)."""
+    asking = [i for i, r in enumerate(rows) if r.request.params.top_logprobs > 0]
+    if not asking:
+        return
+    k = min(max(rows[i].request.params.top_logprobs for i in asking), logp_BV.shape[-1])
+    values_AK, ids_AK = logp_BV[asking].float().topk(k, dim=-1)
+    for values, ids, i in zip(values_AK.tolist(), ids_AK.tolist(), asking, strict=True):
+        wanted = rows[i].request.params.top_logprobs
+        top = [(t, v) for t, v in zip(ids[:wanted], values[:wanted], strict=True) if v > -math.inf]
+        rows[i].top_logprobs.append(top)
 
 
 def select(batch: Batch, keep: list[int]) -> Batch:

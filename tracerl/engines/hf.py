@@ -350,6 +350,7 @@ class HFEngine:
             finish_reason=finish_reason,
             policy_version=row.version,
             stop_string=stop_string,
+            top_logprobs=row.top_logprobs,
         )
         self._outbox.append((row.request, generation))
 

@@ -6,7 +6,8 @@ that RemoteEngine uses, so it is served, routed, restarted and synced exactly li
 
 - `POST /v1/completions`: a token-id prompt (and vLLM's `structured_outputs.grammar`, the
   grammar of a constrained completion); answers vLLM's fields (`choices[0].token_ids`,
-  `logprobs.token_logprobs`, `finish_reason`, `stop_reason`). The log-probs are HFEngine's,
+  `logprobs.token_logprobs`, with `logprobs: k` `logprobs.top_logprobs` keyed "token_id:<id>",
+  `finish_reason`, `stop_reason`). The log-probs are HFEngine's,
   so re-scoring holds as in process. A client that disconnects cancels its request.
 - `GET /health`: the weight version label, requests running and admitted so far.
 - Weight sync, as vLLM's dev endpoints: `/pause?mode=wait` (stop admitting, wait for the
@@ -80,6 +81,9 @@ class CompletionBody(BaseModel):
     """Stop strings."""
     structured_outputs: StructuredOutputs | None = None
     """The grammar of a constrained completion."""
+    logprobs: int | None = Field(default=None, ge=0)
+    """How many of the most likely tokens to return at each position (vLLM's
+    `logprobs.top_logprobs`, keyed "token_id:<id>" as with `return_tokens_as_token_ids`)."""
 
 
 class RpcBody(BaseModel):
@@ -137,7 +141,7 @@ def create_app(engine: HFEngine) -> FastAPI:
             return _json({"error": {"message": str(e), "type": "BadRequestError"}}, 400)
         params = SamplingParams(
             max_tokens=body.max_tokens, temperature=body.temperature, top_p=body.top_p,
-            stop=body.stop, seed=body.seed,
+            stop=body.stop, seed=body.seed, top_logprobs=body.logprobs or 0,
         )  # fmt: skip
         if body.structured_outputs is not None:
             grammar = body.structured_outputs.grammar
@@ -207,11 +211,15 @@ async def _unless_disconnected(request: Request, work: Any) -> Generation:
 
 
 def _completion(gen: Generation) -> dict[str, Any]:
+    logprobs: dict[str, Any] = {"token_logprobs": gen.logprobs}
+    if gen.top_logprobs:
+        top = [{f"token_id:{t}": lp for t, lp in position} for position in gen.top_logprobs]
+        logprobs["top_logprobs"] = top
     choice = {
         "index": 0,
         "text": "",
         "token_ids": gen.completion_ids,
-        "logprobs": {"token_logprobs": gen.logprobs},
+        "logprobs": logprobs,
         "finish_reason": gen.finish_reason,
         "stop_reason": gen.stop_string,
     }

@@ -5,8 +5,10 @@ The servers are vLLM's (tracerl.engines.vllm) or tracerl's transformers server
 to `/v1/completions` (`return_token_ids`, `logprobs`) of one replica and answers with
 HFEngine's semantics: the completion ends with the end token, or with the token that
 completed a stop string (`stop_string` says which), or at max_tokens; log-probs are those of
-the sampling distribution at the request's temperature. Cancelling the awaiting coroutine
-closes the HTTP request, which aborts it on the server.
+the sampling distribution at the request's temperature, and with `top_logprobs` the most
+likely tokens of that distribution at each position (vLLM's `logprobs: k`, keyed by id with
+`return_tokens_as_token_ids`). Cancelling the awaiting coroutine closes the HTTP request,
+which aborts it on the server.
 
 Replicas (tracerl.engines.replicas): calls of one routing key stick to one replica, new keys
 go to the least loaded. A replica whose connection fails, or that answers a server error
@@ -195,7 +197,9 @@ class RemoteEngine:
             "stop": [s for s in params.stop if s],
             # The same end tokens as HFEngine (model, generation config and tokenizer).
             "stop_token_ids": self.eos_token_ids,
-            "logprobs": 0,
+            "logprobs": params.top_logprobs,
+            # Alternatives keyed "token_id:<id>", not by text two ids may share.
+            "return_tokens_as_token_ids": True,
             "return_token_ids": True,
             "skip_special_tokens": False,
             "include_stop_str_in_output": True,
@@ -210,6 +214,7 @@ class RemoteEngine:
         choice = data["choices"][0]
         ids = [int(t) for t in choice["token_ids"]]
         logprobs = [float(x) for x in choice["logprobs"]["token_logprobs"]]
+        top = _top_logprobs(choice["logprobs"].get("top_logprobs"), params.top_logprobs)
         end = self._end(ids, [s for s in params.stop if s])
         if end is not None:
             cut, stop_string = end
@@ -219,6 +224,7 @@ class RemoteEngine:
                 finish_reason="stop",
                 policy_version=version,
                 stop_string=stop_string,
+                top_logprobs=top[:cut],
             )
         # No end found by our rules: the server stopped on a string only it saw, or on length.
         stop_reason = choice.get("stop_reason")
@@ -229,6 +235,7 @@ class RemoteEngine:
             finish_reason="stop" if stopped else "length",
             policy_version=version,
             stop_string=stop_reason if stopped and isinstance(stop_reason, str) else None,
+            top_logprobs=top,
         )
 
     def _end(self, ids: list[int], stops: list[str]) -> tuple[int, str | None] | None:
@@ -400,3 +407,18 @@ def _write_safetensors(state: dict[str, torch.Tensor], path: Path, *, drop_tied_
     }
     path.mkdir(parents=True, exist_ok=True)
     save_file(tensors, str(path / "model.safetensors"))
+
+
+def _top_logprobs(
+    positions: list[dict[str, float]] | None, k: int
+) -> list[list[tuple[int, float]]]:
+    """vLLM's `top_logprobs` (one {"token_id:<id>": log-prob} per position) as the k best
+    (id, log-prob) of each position, best first: vLLM adds the sampled token when it is
+    not among the k."""
+    if not k or not positions:
+        return []
+    out = []
+    for position in positions:
+        pairs = [(int(key.rpartition(":")[2]), float(lp)) for key, lp in position.items()]
+        out.append(sorted(pairs, key=lambda pair: -pair[1])[:k])
+    return out

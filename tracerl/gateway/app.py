@@ -244,20 +244,21 @@ def _usage(served: Served) -> dict[str, int]:
     }
 
 
+def _token(served: Served, tid: int, lp: float) -> dict[str, Any]:
+    """One token's entry in OpenAI's chat logprobs: its spelling, log-prob, text bytes."""
+    text = decode(served.tokenizer, [tid], skip_special=False)
+    token = served.tokenizer.convert_ids_to_tokens(tid)
+    return {"token": token, "logprob": lp, "bytes": list(text.encode())}
+
+
 def _token_logprobs(served: Served, c: Choice) -> list[dict[str, Any]]:
+    """Each sampled token's entry, with its position's most likely tokens when asked for
+    (an engine that returns none leaves them empty)."""
+    tops = c.gen.top_logprobs or [[] for _ in c.gen.completion_ids]
     out = []
-    for tid, lp in zip(c.gen.completion_ids, c.gen.logprobs, strict=True):
-        token = served.tokenizer.convert_ids_to_tokens(tid)
-        text = decode(served.tokenizer, [tid], skip_special=False)
-        out.append(
-            {
-                "token": token,
-                "logprob": lp,
-                "bytes": list(text.encode()),
-                "top_logprobs": [],
-                "token_id": tid,
-            }
-        )
+    for tid, lp, top in zip(c.gen.completion_ids, c.gen.logprobs, tops, strict=True):
+        alternatives = [_token(served, t, v) for t, v in top]
+        out.append({**_token(served, tid, lp), "top_logprobs": alternatives, "token_id": tid})
     return out
 
 
@@ -287,10 +288,11 @@ def _completion_body(served: Served, logprobs: bool) -> dict[str, Any]:
         lp = None
         if logprobs:
             tokens = _token_logprobs(served, c)
+            tops = [{a["token"]: a["logprob"] for a in t["top_logprobs"]} for t in tokens]
             lp = {
                 "tokens": [t["token"] for t in tokens],
                 "token_logprobs": [t["logprob"] for t in tokens],
-                "top_logprobs": None,
+                "top_logprobs": tops if c.gen.top_logprobs else None,
                 "text_offset": [],
             }
         choices.append(

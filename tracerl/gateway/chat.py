@@ -21,6 +21,8 @@ Message = dict[str, JsonValue]
 """A canonical chat message: role, content (str), optional tool_calls / tool_call_id / name."""
 
 _TOOL_NAME = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
+MAX_TOP_LOGPROBS = 20
+"""Most alternatives per position a call may ask for (OpenAI's bound)."""
 
 
 class FunctionSpec(BaseModel):
@@ -135,8 +137,8 @@ class ChatRequest(BaseModel):
     """Sampler seed; choice i uses seed + i (64 bits, what a torch generator takes)."""
     logprobs: bool = False
     """Return the sampled tokens' log-probs."""
-    top_logprobs: int | None = Field(default=None, ge=0, le=0)
-    """Alternatives per position: not supported beyond 0."""
+    top_logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
+    """With logprobs, the most likely tokens returned at each position, at most 20."""
     stream: bool = False
     """Answer as server-sent events."""
     stream_options: dict[str, JsonValue] | None = None
@@ -205,8 +207,9 @@ class CompletionRequest(BaseModel):
     """Up to 4 stop strings."""
     seed: int | None = Field(default=None, ge=-(2**63), lt=2**63)
     """Sampler seed (64 bits, what a torch generator takes)."""
-    logprobs: int | None = Field(default=None, ge=0, le=0)
-    """0 returns the sampled tokens' log-probs; alternatives are not supported."""
+    logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
+    """Return the sampled tokens' log-probs, and this many most likely tokens at each
+    position (0: none), at most 20."""
     echo: bool = False
     """Not supported (rejected when true)."""
     stream: bool = False

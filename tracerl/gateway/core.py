@@ -368,6 +368,7 @@ class Gateway:
             top_p=req.top_p,
             stop=req.stop_list(),
             seed=req.seed,
+            top_logprobs=_alternatives(req),
         )
 
     async def _sample(
@@ -398,6 +399,13 @@ class Gateway:
         self.histories.forget(rollout.id, rollout.attempt)
         self.recorder.forget(rollout.id, rollout.attempt)
         self.context.forget(rollout.id, rollout.attempt)
+
+
+def _alternatives(req: ChatRequest | CompletionRequest) -> int:
+    """How many most likely tokens per position the call asks for (chat: with logprobs)."""
+    if isinstance(req, ChatRequest):
+        return (req.top_logprobs or 0) if req.logprobs else 0
+    return req.logprobs or 0
 
 
 def _route(rollout: Rollout | None, role: str) -> str | None:
