@@ -148,6 +148,31 @@ def test_streamed_text_reassembles(served) -> None:  # type: ignore[no-untyped-d
     assert "".join(pieces) == plain.choices[0].message.content == "85"
 
 
+def _chunks(url: str, path: str, body: dict) -> list[dict]:
+    with httpx.stream("POST", f"{url}{path}", json=body) as resp:
+        assert resp.status_code == 200
+        return [json.loads(line[6:]) for line in resp.iter_lines() if line.startswith("data: {")]
+
+
+@pytest.mark.parametrize(
+    ("path", "body"),
+    [
+        ("/v1/chat/completions", {"model": "policy", "messages": MESSAGES, "tools": TOOLS}),
+        ("/v1/chat/completions", {"model": "policy", "messages": MESSAGES, "n": 2}),
+        ("/v1/completions", {"model": "policy", "prompt": "What is 37+48?"}),
+    ],
+)
+def test_with_include_usage_every_chunk_but_the_last_has_usage_null(served, path, body) -> None:  # type: ignore[no-untyped-def]
+    server, _, _ = served
+    streamed = {**body, "stream": True}
+    chunks = _chunks(server.url, path, {**streamed, "stream_options": {"include_usage": True}})
+    assert len(chunks) > 2
+    assert all("usage" in c and c["usage"] is None for c in chunks[:-1]), chunks
+    last = chunks[-1]
+    assert last["choices"] == [] and last["usage"]["completion_tokens"] > 0
+    assert all("usage" not in c for c in _chunks(server.url, path, streamed))
+
+
 def test_n_choices_each_recorded(served) -> None:  # type: ignore[no-untyped-def]
     server, store, _ = served
     rid = running_rollout(store)

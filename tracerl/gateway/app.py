@@ -158,7 +158,8 @@ def create_app(
         parent = request.headers.get(PARENT_HEADER)
         pending = await gateway.open_complete(req, rollout_of(request, rollout_id), parent)
         if req.stream:
-            events = completion_events(gateway, pending)
+            usage = bool((req.stream_options or {}).get("include_usage"))
+            events = completion_events(gateway, pending, usage)
             return StreamingResponse(events, media_type="text/event-stream")
         served = await unless_disconnected(request, gateway.run(pending))
         return _json(_completion_body(served, req.logprobs is not None))
@@ -318,6 +319,8 @@ async def _reply_events(body: dict[str, Any], usage: bool) -> AsyncIterator[byte
     head = {k: body.get(k) for k in ("id", "created", "model")} | {
         "object": "chat.completion.chunk"
     }
+    if usage:  # every chunk says "usage": null until the last one carries it
+        head["usage"] = None
     for i, choice in enumerate(body["choices"]):
         message = choice["message"]
         delta: dict[str, Any] = {"role": "assistant", "content": message.get("content") or ""}

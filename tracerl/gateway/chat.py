@@ -214,6 +214,8 @@ class CompletionRequest(BaseModel):
     """Not supported (rejected when true)."""
     stream: bool = False
     """Answer as server-sent events."""
+    stream_options: dict[str, JsonValue] | None = None
+    """{"include_usage": true} adds a final usage chunk."""
 
     @field_validator("echo")
     @classmethod

@@ -220,13 +220,9 @@ def usage_of(served: Served) -> dict[str, int]:
 
 async def chat_events(gateway: Gateway, p: Pending, usage: bool) -> AsyncIterator[bytes]:
     """A chat completion as chunks: content deltas as tokens arrive, tool calls once parsed,
-    the finish reason, the usage when asked, [DONE]."""
-    head = {
-        "id": f"{p.kind}-{p.span_id}",
-        "object": "chat.completion.chunk",
-        "created": int(time.time()),
-        "model": p.model,
-    }
+    the finish reason, the usage when asked (every chunk before it then says "usage": null,
+    as OpenAI's do), [DONE]."""
+    head = _head(p, "chat.completion.chunk", usage)
 
     def chunk(index: int, delta: dict[str, Any], finish: str | None = None) -> bytes:
         choice = {"index": index, "delta": delta, "logprobs": None, "finish_reason": finish}
@@ -264,14 +260,10 @@ def _call_deltas(c: Choice) -> list[dict[str, Any]]:
     return [{"index": i, **call} for i, call in enumerate(calls)]
 
 
-async def completion_events(gateway: Gateway, p: Pending) -> AsyncIterator[bytes]:
-    """A text completion as chunks: text as tokens arrive, then the finish reason, [DONE]."""
-    head = {
-        "id": f"{p.kind}-{p.span_id}",
-        "object": "text_completion",
-        "created": int(time.time()),
-        "model": p.model,
-    }
+async def completion_events(gateway: Gateway, p: Pending, usage: bool) -> AsyncIterator[bytes]:
+    """A text completion as chunks: text as tokens arrive, then the finish reason, the usage
+    when asked (with "usage": null on every chunk before it), [DONE]."""
+    head = _head(p, "text_completion", usage)
 
     def chunk(index: int, text: str, finish: str | None = None) -> bytes:
         choice = {"index": index, "text": text, "logprobs": None, "finish_reason": finish}
@@ -291,4 +283,18 @@ async def completion_events(gateway: Gateway, p: Pending) -> AsyncIterator[bytes
     assert served is not None, "stream_call ends with the Served"
     for c in served.choices:
         yield chunk(c.index, "", c.finish_reason)
+    if usage:
+        yield sse({**head, "choices": [], "usage": usage_of(served)})
     yield b"data: [DONE]\n\n"
+
+
+def _head(p: Pending, kind: str, usage: bool) -> dict[str, Any]:
+    """The fields every chunk of a call repeats; with usage asked for, "usage": null until
+    the last chunk carries it."""
+    head: dict[str, Any] = {
+        "id": f"{p.kind}-{p.span_id}",
+        "object": kind,
+        "created": int(time.time()),
+        "model": p.model,
+    }
+    return head | {"usage": None} if usage else head
