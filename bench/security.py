@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import json
 import tempfile
 import time
@@ -276,57 +275,64 @@ class FuzzReport:
     cases: int = 0
     """Requests sent."""
     server_errors: int = 0
-    """Responses with a 5xx status."""
+    """Unique failures that are a 5xx."""
     violations: list[str] = field(default_factory=list)
-    """Responses breaking the OpenAPI document (status, content type or body schema)."""
+    """Each unique failure of any check (`--checks all`): a 5xx, a response outside the
+    document, a request the document allows that is refused, one it forbids that is
+    served, an `Allow` header that does not list the path's methods, ..."""
 
 
-def fuzz(url: str, headers: dict[str, str], max_examples: int, budget_s: float) -> FuzzReport:
-    """Positive and negative cases for every operation of `url`'s OpenAPI document."""
-    import hypothesis
+PHASES = ("coverage", "fuzzing")
+"""schemathesis's phases the fuzz runs by default: boundary cases of every parameter and
+body field, wrong methods and OPTIONS (coverage), then drawn cases (fuzzing)."""
+
+
+def fuzz(
+    url: str,
+    headers: dict[str, str],
+    max_examples: int,
+    budget_s: float,
+    phases: tuple[str, ...] = PHASES,
+) -> FuzzReport:
+    """Every check on every operation of `url`'s OpenAPI document, as `schemathesis run
+    --checks all` does, in `phases` (examples are run too; the stateful phase is not: no
+    links are declared, and the auth table above chains what it would). Seeded, so a run
+    sends the same cases; stopped after `budget_s` seconds if it is not done by then."""
     import schemathesis
-    from schemathesis import GenerationMode
-    from schemathesis.specs.openapi import checks
+    from schemathesis.config import SchemathesisConfig
+    from schemathesis.core.failures import ServerError
+    from schemathesis.engine import events, from_schema
+    from schemathesis.engine.statistic import Statistic
 
-    report = FuzzReport()
-    deadline = time.monotonic() + budget_s
-    schema = schemathesis.openapi.from_url(f"{url}/openapi.json")
-    wanted = [
-        checks.status_code_conformance,
-        checks.content_type_conformance,
-        checks.response_schema_conformance,
-    ]
-    settings = hypothesis.settings(
-        max_examples=max_examples,
-        deadline=None,
-        database=None,
-        derandomize=True,
-        phases=[hypothesis.Phase.explicit, hypothesis.Phase.generate],
-        suppress_health_check=list(hypothesis.HealthCheck),
+    switches = {name: {"enabled": name in phases} for name in PHASES}
+    config = SchemathesisConfig.from_dict(
+        {
+            "seed": 7,
+            "headers": headers,
+            "request-timeout": 30,
+            "continue-on-failure": True,  # every failure of an operation, not its first
+            "generation": {"max-examples": max_examples},
+            # No max-time: with one the fuzzing phase runs until it, not max_examples.
+            "phases": {**switches, "stateful": {"enabled": False}},
+            "checks": {"enabled": True},
+        }
     )
-    for result in schema.get_all_operations():
-        operation = result.ok()
-        for mode in (GenerationMode.POSITIVE, GenerationMode.NEGATIVE):
-
-            @settings
-            @hypothesis.given(case=operation.as_strategy(generation_mode=mode))
-            def one(case: Any) -> None:
-                if time.monotonic() > deadline:
-                    return
-                response = case.call(headers=headers, timeout=30)
-                report.cases += 1
-                if response.status_code >= 500:
-                    report.server_errors += 1
-                    report.violations.append(f"{case.method} {case.formatted_path}: 5xx")
-                try:
-                    case.validate_response(response, checks=wanted, headers=headers)
-                except (Exception, BaseExceptionGroup) as e:  # each failure is data
-                    first = str(e).strip().splitlines()[:3]
-                    report.violations.append(f"{case.method} {case.formatted_path}: {first}")
-
-            # An operation without inputs has no negative case: nothing to run.
-            with contextlib.suppress(hypothesis.errors.Unsatisfiable):
-                one()
+    schema = schemathesis.openapi.from_url(f"{url}/openapi.json", config=config)
+    stats, deadline = Statistic(), time.monotonic() + budget_s
+    stream = from_schema(schema).execute()
+    for event in stream:
+        if isinstance(event, events.ScenarioFinished):
+            stats.on_scenario_finished(event.recorder)
+        if time.monotonic() > deadline:
+            stream.stop()  # the next event is the last
+    report = FuzzReport(cases=stats.total_cases)
+    for label, groups in sorted(stats.failures.items()):
+        for group in groups.values():
+            answer = group.response
+            said = f"{answer.status_code} {answer.text_lossy()[:160]}" if answer else "no answer"
+            for failure in group.failures:
+                report.server_errors += isinstance(failure, ServerError)
+                report.violations.append(f"{label}: {failure.title} ({said})")
     return report
 
 

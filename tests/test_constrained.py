@@ -146,15 +146,19 @@ def test_bad_formats_are_4xx(stack) -> None:  # type: ignore[no-untyped-def]
     with pytest.raises(GatewayError) as e:
         _ask(gateway, None, 1, response_format=bad)
     assert e.value.status == 400 and "bogus" in e.value.message
-    for wrong in (
+    with pytest.raises(ValueError):  # against the API document
+        ChatRequest.model_validate(
+            {"model": "policy", "messages": MESSAGES, "response_format": {"type": "yaml"}}
+        )
+    for wrong in (  # rules between fields, checked once the model is known
         {"tool_choice": "required"},  # no tools
         {"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "div"}}},
         {"response_format": {"type": "json_schema"}},  # no schema
-        {"response_format": {"type": "yaml"}},
         {"tools": TOOLS, "tool_choice": {"type": "function"}},  # no name
     ):
-        with pytest.raises(ValueError):
-            ChatRequest.model_validate({"model": "policy", "messages": MESSAGES, **wrong})
+        with pytest.raises(GatewayError) as e:
+            _ask(gateway, None, 1, **wrong)
+        assert e.value.status == 400 and e.value.param in ("tool_choice", "response_format")
     # Choices of kinds the gateway does not enforce are accepted and force nothing.
     other = {"type": "allowed_tools", "mode": "auto", "tools": []}
     (served,) = _ask(gateway, None, 1, tools=TOOLS, tool_choice=other, max_tokens=4)

@@ -1,9 +1,12 @@
 """The OpenAPI document is the contract, and the service keeps it.
 
-Schemathesis fuzzes every operation (bodies included, valid and invalid cases) against the
-running gateway + store with keys on and off: no 5xx, no response outside the document. The
-document declares each operation's request body and statuses; 405s name the allowed
-methods; the store's validation errors are 422 wherever it is mounted.
+Schemathesis runs every check (`--checks all`) on every operation (bodies included, valid
+and invalid cases) against the running gateway + store with keys on (its coverage phase,
+then drawn cases) and off (drawn cases): no 5xx, no response outside the document, no
+request the document allows refused (an unknown model or rollout is a 404 first), none it
+forbids served, 405s and OPTIONS naming every method of the path. The document declares
+each operation's request body, statuses and bounds; the store's validation errors are 422
+wherever it is mounted.
 """
 
 from __future__ import annotations
@@ -46,10 +49,12 @@ def service(request: pytest.FixtureRequest, tiny_model_dir: Path) -> Iterator:  
 
 
 @pytest.mark.fuzz
-def test_fuzz_finds_no_server_error_and_no_schema_violation(service) -> None:  # type: ignore[no-untyped-def]
+def test_fuzz_with_every_check_finds_nothing(service) -> None:  # type: ignore[no-untyped-def]
     headers = security.headers_of("admin", security.new_world(service), service.keys)
-    report = security.fuzz(service.url, headers, max_examples=6, budget_s=50)
-    assert report.cases > 60
+    # The coverage phase (~3,000 boundary cases) once, with keys on: a minute in all.
+    phases = security.PHASES if service.keys.enabled else ("fuzzing",)
+    report = security.fuzz(service.url, headers, max_examples=3, budget_s=120, phases=phases)
+    assert report.cases > (2_000 if service.keys.enabled else 60)
     assert report.server_errors == 0, report.violations
     assert report.violations == []
 
@@ -93,6 +98,28 @@ def test_wrong_methods_name_the_allowed_ones(service) -> None:  # type: ignore[n
         resp = httpx.get(f"{service.url}{path}", headers=headers)
         assert resp.status_code == 405 and resp.headers["allow"] == "POST", path
         assert resp.json()["error"]["message"]
+    # A path with a GET route and a POST route: both are named, whichever refused.
+    for path in ("/store/tasks", "/store/rollouts"):
+        resp = httpx.options(f"{service.url}{path}", headers=headers)
+        assert resp.status_code == 405 and resp.headers["allow"] == "GET, HEAD, POST", path
+
+
+def test_store_bodies_are_held_to_json_types(service) -> None:  # type: ignore[no-untyped-def]
+    headers = {"x-api-key": security.KEYS.admin}
+    for path, body in [
+        ("/store/requeue_expired", {"now": False}),
+        ("/store/versions", {"version": 0, "created_at": False}),
+        ("/store/claim", {"runner_id": "w1", "n": "1"}),
+        ("/store/tasks", [{"id": "big", "input": {"x": 2**70}}]),
+        ("/store/tasks", [{"id": "huge", "input": {"x": 1e300}}]),
+    ]:
+        resp = httpx.post(f"{service.url}{path}", json=body, headers=headers)
+        assert resp.status_code == 422, (path, body, resp.text)
+    # An integer written as 3.0 is still an integer, as JSON Schema says.
+    resp = httpx.post(
+        f"{service.url}/store/claim", json={"runner_id": "w1", "n": 1.0}, headers=headers
+    )
+    assert resp.status_code == 200, resp.text
 
 
 def test_store_validation_is_422_beside_the_gateway(service) -> None:  # type: ignore[no-untyped-def]

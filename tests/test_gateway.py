@@ -325,7 +325,8 @@ def test_absurd_rewards_are_refused(served, content: bytes) -> None:  # type: ig
     """Regression: {"value": 1e308} was stored, and GRPO over it raised OverflowError."""
     server, store, _ = served
     rid = running_rollout(store)
-    resp = httpx.post(f"{server.url}/rollouts/{rid}/reward", content=content)
+    json = {"content-type": "application/json"}
+    resp = httpx.post(f"{server.url}/rollouts/{rid}/reward", content=content, headers=json)
     assert resp.status_code == 400 and "value" in resp.json()["error"]["message"]
     assert store.rewards(rid) == []
     assert httpx.post(f"{server.url}/rollouts/{rid}/reward", json={"value": 1e6}).status_code == 200

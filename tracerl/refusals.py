@@ -13,13 +13,22 @@ gateway/anthropic.py, store/http.py); these use the same two shapes.
 
 from __future__ import annotations
 
+import functools
 import re
 from typing import Any
 
 import orjson
+from starlette.requests import Request
 from starlette.types import Scope, Send
 
-__all__ = ["Refusal", "anthropic_type", "is_messages_api", "refusal_body", "refuse"]
+__all__ = [
+    "Refusal",
+    "allowed_methods",
+    "anthropic_type",
+    "is_messages_api",
+    "refusal_body",
+    "refuse",
+]
 
 _MESSAGES_API = re.compile(r"^(/rollouts/[^/]+)?/v1/messages(/|$)")
 
@@ -79,3 +88,30 @@ async def refuse(scope: Scope, send: Send, r: Refusal, close: bool = False) -> N
         headers.append((b"connection", b"close"))
     await send({"type": "http.response.start", "status": r.status, "headers": headers})
     await send({"type": "http.response.body", "body": body})
+
+
+def allowed_methods(request: Request, fallback: str = "") -> str:
+    """The `Allow` of a 405: every method the API document lists at the request's path
+    (Starlette names only the first route's, and /store/tasks has a GET route and a POST
+    route); `fallback` for a path the document does not list."""
+    document = getattr(request.app, "openapi", None)
+    paths: dict[str, Any] = document().get("paths", {}) if document is not None else {}
+    methods = {
+        method.upper()
+        for template, item in paths.items()
+        if _template(template).fullmatch(request.url.path)
+        for method in item
+        if method.upper() in _METHODS
+    }
+    if "GET" in methods:
+        methods.add("HEAD")  # Starlette answers HEAD wherever it answers GET
+    return ", ".join(sorted(methods)) or fallback
+
+
+_METHODS = frozenset({"GET", "HEAD", "POST", "PUT", "PATCH", "DELETE", "OPTIONS"})
+
+
+@functools.cache
+def _template(path: str) -> re.Pattern[str]:
+    """A document path ("/store/rollouts/{rollout_id}") as a pattern of request paths."""
+    return re.compile(re.sub(r"\\\{\w+\\\}", "[^/]+", re.escape(path)))

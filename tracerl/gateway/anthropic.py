@@ -95,6 +95,7 @@ def register_messages(app: FastAPI, gateway: Gateway) -> None:
 
     async def create(request: Request, rollout_id: str | None = None) -> Response:
         req = _request(await read_json(request))
+        gateway.check_model(req.model)  # first: a call is judged once its model is known
         p = await gateway.open_chat(_chat(req), rollout_of(request, rollout_id), parent_of(request))
         if req.stream:
             return StreamingResponse(_events(gateway, p), media_type="text/event-stream")
@@ -102,6 +103,7 @@ def register_messages(app: FastAPI, gateway: Gateway) -> None:
 
     async def count_tokens(request: Request, rollout_id: str | None = None) -> Response:
         req = _request(await read_json(request))
+        gateway.check_model(req.model)
         return json_response({"input_tokens": await gateway.count_tokens(_chat(req))})
 
     # Anthropic's error body ({"type": "error", "error": {"type", "message"}}) has the

@@ -18,7 +18,7 @@ import orjson
 from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import Response, StreamingResponse
-from pydantic import BaseModel, Field, TypeAdapter, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError, model_validator
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from tracerl.auth import Keys
@@ -34,11 +34,13 @@ from tracerl.gateway.wire import (  # noqa: F401  ROLLOUT_HEADER is re-exported
     PARENT_HEADER,
     REPLY_DOC,
     ROLLOUT_HEADER,
+    read_json,
     rollout_of,
 )
 from tracerl.limits import ClientGone, Limits, unless_disconnected
-from tracerl.store.http import install_error_handlers, store_router
-from tracerl.store.wire import body_doc, errors_doc
+from tracerl.refusals import allowed_methods
+from tracerl.store.http import document, install_error_handlers, store_router
+from tracerl.store.wire import body_doc, errors_doc, validate_strictly
 from tracerl.types import RewardValue
 
 log = logging.getLogger(__name__)
@@ -46,6 +48,16 @@ log = logging.getLogger(__name__)
 
 class RewardRequest(BaseModel):
     """A reward an agent emits over HTTP (POST /rollouts/<id>/reward)."""
+
+    # The API document says what _one_target checks: span_seq or role, not both.
+    model_config = ConfigDict(
+        json_schema_extra={
+            "anyOf": [
+                {"properties": {"span_seq": {"type": "null"}}},
+                {"properties": {"role": {"type": "null"}}},
+            ]
+        }
+    )
 
     value: RewardValue
     """The reward: finite, within types.REWARD_LIMIT (400 otherwise)."""
@@ -74,13 +86,6 @@ def error_response(e: GatewayError) -> Response:
     return _json({"error": err}, e.status)
 
 
-async def _body(request: Request) -> Any:
-    try:
-        return orjson.loads(await request.body())
-    except orjson.JSONDecodeError as e:
-        raise GatewayError(400, f"request body is not valid JSON: {e}") from None
-
-
 def _check_sampling(limits: Limits, n: int, max_tokens: int | None) -> None:
     """A 400 when a call asks for more choices or tokens than the service allows."""
     if n > limits.max_n:
@@ -90,13 +95,15 @@ def _check_sampling(limits: Limits, n: int, max_tokens: int | None) -> None:
         raise GatewayError(400, message, param="max_tokens", code="max_tokens_too_large")
 
 
+REWARD = TypeAdapter(RewardRequest)
+
 _ROUTES: dict[str, dict[str, Any]] = {
     "chat": {"openapi_extra": body_doc(TypeAdapter(ChatRequest)), "responses": {
         **REPLY_DOC, **MODEL_CALL_DOC, **errors_doc(502)}},
     "complete": {"openapi_extra": body_doc(TypeAdapter(CompletionRequest)), "responses": {
         **REPLY_DOC, **MODEL_CALL_DOC}},
     "models": {"responses": errors_doc(404)},
-    "reward": {"openapi_extra": body_doc(TypeAdapter(RewardRequest)),
+    "reward": {"openapi_extra": body_doc(REWARD),
                "responses": errors_doc(400, 404, 409)},
 }  # fmt: skip
 """Each route's OpenAPI request body and statuses (handlers parse raw bytes themselves)."""
@@ -129,9 +136,10 @@ def create_app(
 
     async def chat(request: Request, rollout_id: str | None = None) -> Response:
         try:
-            req = ChatRequest.model_validate(await _body(request))
+            req = ChatRequest.model_validate(await read_json(request))
         except ValidationError as e:
             raise invalid(e) from None
+        gateway.check_model(req.model, remote=True)
         _check_sampling(limits, req.n, req.token_limit())
         parent = request.headers.get(PARENT_HEADER)
         usage = bool((req.stream_options or {}).get("include_usage"))
@@ -151,9 +159,10 @@ def create_app(
 
     async def complete(request: Request, rollout_id: str | None = None) -> Response:
         try:
-            req = CompletionRequest.model_validate(await _body(request))
+            req = CompletionRequest.model_validate(await read_json(request))
         except ValidationError as e:
             raise invalid(e) from None
+        gateway.check_model(req.model)
         _check_sampling(limits, req.n, req.max_tokens)
         parent = request.headers.get(PARENT_HEADER)
         pending = await gateway.open_complete(req, rollout_of(request, rollout_id), parent)
@@ -174,7 +183,7 @@ def create_app(
 
     async def reward(request: Request, rollout_id: str) -> Response:
         try:
-            req = RewardRequest.model_validate(await _body(request))
+            req = validate_strictly(REWARD, await request.body())
         except ValidationError as e:
             raise invalid(e) from None
         await gateway.reward(rollout_id, req.value, req.span_seq, req.role, req.name)
@@ -202,6 +211,7 @@ def create_app(
             gateway.store, gateway.store_executor, keys, gateway.finished, limits
         )
         app.include_router(store_api, prefix="/store")
+        document(app)
     return app
 
 
@@ -221,10 +231,12 @@ def _install_gateway_errors(app: FastAPI) -> None:
         return error_response(GatewayError(400, str(e.errors()[0].get("msg", e))))
 
     @app.exception_handler(StarletteHTTPException)
-    async def _http(_: Request, e: StarletteHTTPException) -> Response:
+    async def _http(request: Request, e: StarletteHTTPException) -> Response:
         kind = "not_found_error" if e.status_code == 404 else "invalid_request_error"
         response = error_response(GatewayError(e.status_code, str(e.detail), type=kind))
-        response.headers.update(e.headers or {})  # a 405's Allow
+        response.headers.update(e.headers or {})
+        if e.status_code == 405:  # every method the path takes, not only one route's
+            response.headers["Allow"] = allowed_methods(request, response.headers["Allow"])
         return response
 
     @app.exception_handler(ClientGone)

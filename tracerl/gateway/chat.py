@@ -10,9 +10,9 @@ from __future__ import annotations
 
 import json
 import re
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, JsonValue, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, JsonValue, field_validator
 
 from tracerl.gateway import toolcalls
 from tracerl.gateway.toolcalls import ParsedReply
@@ -21,8 +21,18 @@ Message = dict[str, JsonValue]
 """A canonical chat message: role, content (str), optional tool_calls / tool_call_id / name."""
 
 _TOOL_NAME = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
+_OBJECT_SCHEMA: dict[str, JsonValue] = {
+    "type": {"const": "object"},
+    "properties": {"type": "object"},
+}
+"""What a function's `parameters` may say of its own `type` and `properties` (the API
+document says it too: FunctionSpec._schema_ok checks exactly this)."""
 MAX_TOP_LOGPROBS = 20
 """Most alternatives per position a call may ask for (OpenAI's bound)."""
+
+
+StopList = Annotated[list[Annotated[str, Field(min_length=1)]], Field(max_length=4)]
+"""Stop strings as a list: at most 4, none empty."""
 
 
 class FunctionSpec(BaseModel):
@@ -30,19 +40,14 @@ class FunctionSpec(BaseModel):
 
     model_config = ConfigDict(extra="allow")
 
-    name: str
+    name: str = Field(pattern=_TOOL_NAME.pattern)
     """Function name: letters, digits, '_', '.', '-', at most 64 characters."""
     description: str | None = None
     """What it does, for the model."""
-    parameters: dict[str, JsonValue] = Field(default_factory=dict)
+    parameters: dict[str, JsonValue] = Field(
+        default_factory=dict, json_schema_extra={"properties": _OBJECT_SCHEMA}
+    )
     """JSON Schema of the arguments; must describe an object."""
-
-    @field_validator("name")
-    @classmethod
-    def _name_ok(cls, name: str) -> str:
-        if not _TOOL_NAME.match(name):
-            raise ValueError(f"invalid function name {name!r}")
-        return name
 
     @field_validator("parameters")
     @classmethod
@@ -101,13 +106,7 @@ class ResponseFormat(BaseModel):
     type: Literal["text", "json_object", "json_schema"]
     """What the reply must be."""
     json_schema: JsonSchemaFormat | None = None
-    """The schema, for type json_schema."""
-
-    @model_validator(mode="after")
-    def _schema_given(self) -> ResponseFormat:
-        if self.type == "json_schema" and self.json_schema is None:
-            raise ValueError("response_format json_schema needs a json_schema")
-        return self
+    """The schema, for type json_schema (ChatRequest.rules checks it is given)."""
 
 
 class ChatRequest(BaseModel):
@@ -131,7 +130,7 @@ class ChatRequest(BaseModel):
     """Nucleus mass."""
     n: int = Field(default=1, ge=1, le=16)
     """Number of choices."""
-    stop: str | list[str] | None = None
+    stop: str | StopList | None = None
     """Up to 4 stop strings."""
     seed: int | None = Field(default=None, ge=-(2**63), lt=2**63)
     """Sampler seed; choice i uses seed + i (64 bits, what a torch generator takes)."""
@@ -155,25 +154,25 @@ class ChatRequest(BaseModel):
     """{"type": "json_object"} or {"type": "json_schema", "json_schema": {"schema": ...}}:
     the reply is valid JSON (of that schema) where decoding is constrained."""
 
-    @model_validator(mode="after")
-    def _choice_names_a_tool(self) -> ChatRequest:
+    def rules(self) -> tuple[str, str] | None:
+        """(param, why) of the first rule between fields this request breaks, or None.
+
+        Rules the API document cannot state (a named tool among the tools given). The
+        gateway checks them once it knows which model answers (an unknown model is a 404
+        first), so a request the document allows is refused only for what it is about."""
         names = {t.function.name for t in self.tools or []}
         if isinstance(self.tool_choice, dict) and self.tool_choice.get("type") == "function":
-            raise ValueError("tool_choice of type 'function' needs function.name")
+            return "tool_choice", "tool_choice of type 'function' needs function.name"
         if self.tool_choice == "required" and not names:
-            raise ValueError("tool_choice 'required' needs tools")
+            return "tool_choice", "tool_choice 'required' needs tools"
         if isinstance(self.tool_choice, NamedToolChoice):
             name = self.tool_choice.function.name
             if name not in names:
-                raise ValueError(f"tool_choice names {name!r}, which is not among the tools")
-        return self
-
-    @field_validator("stop")
-    @classmethod
-    def _stop_ok(cls, stop: str | list[str] | None) -> str | list[str] | None:
-        if isinstance(stop, list) and (len(stop) > 4 or any(not s for s in stop)):
-            raise ValueError("stop must hold at most 4 non-empty strings")
-        return stop
+                return "tool_choice", f"tool_choice names {name!r}, which is not among the tools"
+        fmt = self.response_format
+        if fmt is not None and fmt.type == "json_schema" and fmt.json_schema is None:
+            return "response_format", "response_format json_schema needs a json_schema"
+        return None
 
     def stop_list(self) -> list[str]:
         """Stop strings as a list."""
@@ -203,14 +202,14 @@ class CompletionRequest(BaseModel):
     """Nucleus mass."""
     n: int = Field(default=1, ge=1, le=16)
     """Number of choices."""
-    stop: str | list[str] | None = None
+    stop: str | StopList | None = None
     """Up to 4 stop strings."""
     seed: int | None = Field(default=None, ge=-(2**63), lt=2**63)
     """Sampler seed (64 bits, what a torch generator takes)."""
     logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
     """Return the sampled tokens' log-probs, and this many most likely tokens at each
     position (0: none), at most 20."""
-    echo: bool = False
+    echo: bool = Field(default=False, json_schema_extra={"enum": [False]})
     """Not supported (rejected when true)."""
     stream: bool = False
     """Answer as server-sent events."""

@@ -164,6 +164,14 @@ class Gateway:
             )
         return served
 
+    def check_model(self, name: str, remote: bool = False) -> None:
+        """A 404 unless `name` is served (a 400 for a remote role, unless `remote`: only
+        chat calls are forwarded). Routes ask first, so a call is judged on what it asks of
+        a model only once that model is known."""
+        role = self.role(name)
+        if not (remote and role in self.remote):
+            self.model(role)
+
     async def chat(
         self, req: ChatRequest, target: str | Rollout | None, parent: str | None = None
     ) -> Served:
@@ -178,6 +186,9 @@ class Gateway:
         """Check a chat request and build its prompt; every refusal happens here."""
         role = self.role(req.model)
         served = self.model(role)
+        if broken := req.rules():
+            param, why = broken
+            raise GatewayError(400, why, param=param)
         rollout = await self.recorder.rollout(target)
         parent_id = await self.recorder.parent(rollout, parent)
         req, assets = await self.context.chat(req, role, rollout)

@@ -108,6 +108,7 @@ def register_responses(app: FastAPI, gateway: Gateway) -> None:
             req = ResponsesRequest.model_validate(await read_json(request))
         except ValidationError as e:
             raise invalid(e) from None
+        gateway.check_model(req.model)  # first: a call is judged once its model is known
         history = _previous(stored, req.previous_response_id)
         chat_req, messages = _chat_request(req, history)
         p = await gateway.open_chat(chat_req, rollout_of(request, rollout_id), parent_of(request))

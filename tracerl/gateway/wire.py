@@ -3,6 +3,7 @@ the attribution headers, writing JSON."""
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 import orjson
@@ -46,10 +47,15 @@ PARENT_HEADER = "x-tracerl-parent"
 
 async def read_json(request: Request) -> Any:
     """The request body as JSON, or a 400."""
+    body = await request.body()
     try:
-        return orjson.loads(await request.body())
+        return orjson.loads(body)
     except orjson.JSONDecodeError as e:
-        raise GatewayError(400, f"request body is not valid JSON: {e}") from None
+        error = e
+    try:  # orjson reads no number beyond a double (a 400-digit integer is still JSON)
+        return json.loads(body)
+    except ValueError:
+        raise GatewayError(400, f"request body is not valid JSON: {error}") from None
 
 
 def rollout_of(request: Request, path_id: str | None) -> str | Rollout | None:

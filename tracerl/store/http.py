@@ -38,6 +38,7 @@ from tracerl.assets.records import Asset, Comparison, Optimization
 from tracerl.auth import Keys
 from tracerl.doors import guard_app
 from tracerl.limits import Limits
+from tracerl.refusals import allowed_methods
 from tracerl.store import Store, StoreError
 from tracerl.store.client import StoreClient
 from tracerl.store.sessions import SessionRequest
@@ -58,6 +59,8 @@ from tracerl.store.wire import (
     LIMIT_MAX,
     OPTIMIZATION,
     OPTIMIZATIONS,
+    PAYLOAD,
+    PAYLOAD_SCHEMA,
     PUT_ASSET,
     PV,
     REQUEUE,
@@ -73,12 +76,14 @@ from tracerl.store.wire import (
     body_doc,
     errors_doc,
     out_of_range,
+    validate_strictly,
 )
 from tracerl.types import PolicyVersion, Reward, Rollout, RolloutStatus, Span, Task
 
 __all__ = [
     "StoreClient",
     "create_store_app",
+    "document",
     "install_error_handlers",
     "store_router",
 ]
@@ -111,15 +116,29 @@ def _check_lease(lease_s: float, limits: Limits) -> None:
 
 
 async def _parse(request: Request, adapter: TypeAdapter[T]) -> T:
-    """Validate the raw body once, in pydantic-core; bad input (out-of-range integers
+    """Validate the raw body once, in pydantic-core; bad input (out-of-range numbers
     included) becomes a 422."""
     try:
-        value = adapter.validate_json(await request.body())
+        value = validate_strictly(adapter, await request.body())
     except ValidationError as e:
         raise RequestValidationError(e.errors(include_url=False, include_context=False)) from e
     if error := out_of_range(value):
         raise RequestValidationError([error])
     return value
+
+
+def document(app: FastAPI) -> None:
+    """Add the components the store's bodies refer to (store.wire.PAYLOAD) to `app`'s
+    OpenAPI document, once it is built."""
+    build = app.openapi
+
+    def openapi() -> dict[str, Any]:
+        if app.openapi_schema is None:
+            doc = build()
+            doc.setdefault("components", {}).setdefault("schemas", {})[PAYLOAD] = PAYLOAD_SCHEMA
+        return app.openapi_schema or build()
+
+    app.openapi = openapi  # type: ignore[method-assign]
 
 
 def store_router(
@@ -142,13 +161,16 @@ def store_router(
     keys = keys or Keys()
     limits = limits or Limits()
 
+    def doc(adapter: TypeAdapter[Any]) -> dict[str, Any]:
+        """A body's OpenAPI entry: its numbers bounded as out_of_range holds them, its lease
+        (if it asks for one) as _check_lease does."""
+        return body_doc(adapter, store=True, maxima={"lease_s": limits.max_lease_s})
+
     async def call(fn: Callable[..., T], *args: Any) -> T:
         loop = asyncio.get_running_loop()
         return await loop.run_in_executor(executor, functools.partial(fn, *args))
 
-    @r.post(
-        "/tasks", status_code=204, responses=errors_doc(409, 422), openapi_extra=body_doc(TASKS)
-    )
+    @r.post("/tasks", status_code=204, responses=errors_doc(409, 422), openapi_extra=doc(TASKS))
     async def add_tasks(request: Request) -> Response:
         await call(store.add_tasks, await _parse(request, TASKS))
         return Response(status_code=204)
@@ -165,7 +187,7 @@ def store_router(
         "/rollouts",
         response_model=list[Rollout],
         responses=errors_doc(404, 422),
-        openapi_extra=body_doc(ENQUEUE),
+        openapi_extra=doc(ENQUEUE),
     )
     async def enqueue(request: Request) -> Response:
         b = await _parse(request, ENQUEUE)
@@ -189,7 +211,7 @@ def store_router(
         "/claim",
         response_model=list[Claimed],
         responses=errors_doc(422),
-        openapi_extra=body_doc(CLAIM),
+        openapi_extra=doc(CLAIM),
     )
     async def claim(request: Request) -> Response:
         b = await _parse(request, CLAIM)
@@ -204,7 +226,7 @@ def store_router(
         "/rollouts/{rollout_id}/heartbeat",
         response_model=Rollout,
         responses=errors_doc(404, 409, 422),
-        openapi_extra=body_doc(HEARTBEAT),
+        openapi_extra=doc(HEARTBEAT),
     )
     async def heartbeat(rollout_id: str, request: Request) -> Response:
         b = await _parse(request, HEARTBEAT)
@@ -215,7 +237,7 @@ def store_router(
         "/sessions",
         response_model=Rollout,
         responses=errors_doc(422),
-        openapi_extra=body_doc(SESSION),
+        openapi_extra=doc(SESSION),
     )
     async def open_session(request: Request) -> Response:
         b = await _parse(request, SESSION)
@@ -226,7 +248,7 @@ def store_router(
         "/rollouts/{rollout_id}/finish",
         response_model=Rollout,
         responses=errors_doc(404, 409, 422),
-        openapi_extra=body_doc(FINISH),
+        openapi_extra=doc(FINISH),
     )
     async def finish(rollout_id: str, request: Request) -> Response:
         b = await _parse(request, FINISH)
@@ -240,7 +262,7 @@ def store_router(
         "/spans",
         status_code=204,
         responses=errors_doc(404, 409, 422),
-        openapi_extra=body_doc(SPANS),
+        openapi_extra=doc(SPANS),
     )
     async def add_spans(request: Request) -> Response:
         await call(store.add_spans, await _parse(request, SPANS))
@@ -250,7 +272,7 @@ def store_router(
         "/spans/append",
         response_model=list[int],
         responses=errors_doc(404, 409, 422),
-        openapi_extra=body_doc(SPANS),
+        openapi_extra=doc(SPANS),
     )
     async def append_spans(request: Request) -> Response:
         return _json(SEQS, await call(store.append_spans, await _parse(request, SPANS)))
@@ -265,7 +287,7 @@ def store_router(
         "/rewards",
         status_code=204,
         responses=errors_doc(404, 409, 422),
-        openapi_extra=body_doc(REWARD),
+        openapi_extra=doc(REWARD),
     )
     async def add_reward(request: Request) -> Response:
         await call(store.add_reward, await _parse(request, REWARD))
@@ -283,22 +305,20 @@ def store_router(
         "/requeue_expired",
         response_model=list[Rollout],
         responses=errors_doc(422),
-        openapi_extra=body_doc(REQUEUE),
+        openapi_extra=doc(REQUEUE),
     )
     async def requeue_expired(request: Request) -> Response:
         body = await _parse(request, REQUEUE)
         return _json(ROLLOUTS, await call(store.requeue_expired, body.now))
 
-    @r.post(
-        "/versions", status_code=204, responses=errors_doc(409, 422), openapi_extra=body_doc(PV)
-    )
+    @r.post("/versions", status_code=204, responses=errors_doc(409, 422), openapi_extra=doc(PV))
     async def publish_version(request: Request) -> Response:
         await call(store.publish_version, await _parse(request, PV))
         return Response(status_code=204)
 
     @r.post(
         "/versions/issue", response_model=int, responses=errors_doc(422),
-        openapi_extra=body_doc(ISSUE),
+        openapi_extra=doc(ISSUE),
     )  # fmt: skip
     async def issue_version(request: Request) -> Response:
         b = await _parse(request, ISSUE)
@@ -325,7 +345,7 @@ def _asset_routes(r: APIRouter, store: Store, call: Call) -> None:
 
     @r.post(
         "/assets", response_model=Asset, responses=errors_doc(422),
-        openapi_extra=body_doc(PUT_ASSET),
+        openapi_extra=body_doc(PUT_ASSET, store=True),
     )  # fmt: skip
     async def put_asset(request: Request) -> Response:
         b = await _parse(request, PUT_ASSET)
@@ -345,7 +365,7 @@ def _asset_routes(r: APIRouter, store: Store, call: Call) -> None:
 
     @r.post(
         "/comparisons", status_code=204, responses=errors_doc(409, 422),
-        openapi_extra=body_doc(COMPARISON),
+        openapi_extra=body_doc(COMPARISON, store=True),
     )  # fmt: skip
     async def add_comparison(request: Request) -> Response:
         await call(store.add_comparison, await _parse(request, COMPARISON))
@@ -357,7 +377,7 @@ def _asset_routes(r: APIRouter, store: Store, call: Call) -> None:
 
     @r.post(
         "/optimizations", status_code=204, responses=errors_doc(409, 422),
-        openapi_extra=body_doc(OPTIMIZATION),
+        openapi_extra=body_doc(OPTIMIZATION, store=True),
     )  # fmt: skip
     async def put_optimization(request: Request) -> Response:
         await call(store.put_optimization, await _parse(request, OPTIMIZATION))
@@ -402,10 +422,12 @@ async def _validation_error(_: Request, exc: Exception) -> JSONResponse:
     return _error(422, "invalid_request_error", "; ".join(parts) or "invalid request")
 
 
-async def _http_error(_: Request, exc: Exception) -> JSONResponse:
+async def _http_error(request: Request, exc: Exception) -> JSONResponse:
     assert isinstance(exc, StarletteHTTPException)
-    # Keep the exception's headers: a 405 names the allowed methods in `Allow`.
-    return _error(exc.status_code, "invalid_request_error", str(exc.detail), exc.headers)
+    headers = dict(exc.headers or {})
+    if exc.status_code == 405:  # every method the path takes, not only one route's
+        headers["Allow"] = allowed_methods(request, headers.get("Allow", ""))
+    return _error(exc.status_code, "invalid_request_error", str(exc.detail), headers)
 
 
 def install_error_handlers(app: FastAPI) -> None:
@@ -430,5 +452,6 @@ def create_store_app(
     limits = limits or Limits()
     app.include_router(store_router(store, executor, keys, limits=limits), prefix="/store")
     install_error_handlers(app)
+    document(app)
     guard_app(app, keys, limits, store, executor)
     return app

@@ -9,9 +9,10 @@ leases are bounded by the service's config (Limits.max_lease_s, checked in http.
 
 from __future__ import annotations
 
-from typing import Annotated, Any
+from dataclasses import dataclass
+from typing import Annotated, Any, TypeVar
 
-from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, model_validator
+from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError, model_validator
 
 from tracerl.assets.records import Asset, AssetName, Comparison, Optimization
 from tracerl.store import Conflict, InvalidTransition, LeaseLost, NotFound, StoreError
@@ -38,10 +39,15 @@ __all__ = [
     "IssueRequest",
     "RequeueRequest",
     "RewardRequest",
+    "PAYLOAD",
+    "PAYLOAD_SCHEMA",
     "body_doc",
     "errors_doc",
     "out_of_range",
+    "validate_strictly",
 ]
+
+T = TypeVar("T")
 
 ATTEMPT_MAX = 2**31
 """Attempts (and the other counters a record holds: seq, version) are below this."""
@@ -209,25 +215,105 @@ def errors_doc(*codes: int) -> dict[int | str, dict[str, Any]]:
     return {code: {"description": _REASONS[code], "content": content} for code in codes}
 
 
-def body_doc(adapter: TypeAdapter[Any]) -> dict[str, Any]:
+PAYLOAD = "JsonPayload"
+"""The OpenAPI component of a record's free JSON (a task's input, a span's messages)."""
+PAYLOAD_SCHEMA: dict[str, Any] = {
+    "description": "Any JSON whose numbers lie in [-2**63, 2**63)",
+    "anyOf": [
+        {"type": "null"},
+        {"type": "boolean"},
+        {"type": "string"},
+        {"type": "number", "minimum": -_JSON_INT, "exclusiveMaximum": _JSON_INT},
+        {"type": "array", "items": {"$ref": f"#/components/schemas/{PAYLOAD}"}},
+        {"type": "object", "additionalProperties": {"$ref": f"#/components/schemas/{PAYLOAD}"}},
+    ],
+}
+"""What out_of_range lets through in free JSON (recursive, so a component of its own)."""
+
+
+def body_doc(
+    adapter: TypeAdapter[Any], store: bool = False, maxima: dict[str, float] | None = None
+) -> dict[str, Any]:
     """`openapi_extra` declaring a JSON request body of `adapter`'s type (the handlers parse
-    raw bytes themselves, so FastAPI cannot see the type)."""
-    schema = _inline(adapter.json_schema(), adapter.json_schema().get("$defs", {}))
+    raw bytes themselves, so FastAPI cannot see the type), with the bounds the handlers hold
+    written on it: every integer within 64 bits, a record's counters within ATTEMPT_MAX (as
+    out_of_range holds them); `store`: its free JSON is PAYLOAD, whose numbers out_of_range
+    bounds too (a component the app's document must hold: store.http.document); `maxima`
+    caps named fields (a lease's seconds: the service's limit)."""
+    schema = _inline(adapter.json_schema(), adapter.json_schema().get("$defs", {}), store)
+    schema = _Bounds(maxima or {}).of(schema, _JSON_INT)
     content = {"application/json": {"schema": schema}}
     return {"requestBody": {"required": True, "content": content}}
 
 
-def _inline(node: Any, defs: dict[str, Any]) -> Any:
+@dataclass(frozen=True)
+class _Bounds:
+    """Writes the handlers' bounds on a body's schema (body_doc)."""
+
+    maxima: dict[str, float]
+    """Fields capped by the service's limits, by name."""
+
+    def of(self, node: Any, bound: int) -> Any:
+        """`node` with its integers within [-bound, bound) unless they say more, a record's
+        counters (_COUNTERS) within [-ATTEMPT_MAX, ATTEMPT_MAX)."""
+        if isinstance(node, list):
+            return [self.of(v, bound) for v in node]
+        if not isinstance(node, dict):
+            return node
+        out = dict(node)
+        if out.get("type") == "integer":
+            if "minimum" not in out and "exclusiveMinimum" not in out:
+                out["minimum"] = -bound
+            if "maximum" not in out and "exclusiveMaximum" not in out:
+                out["exclusiveMaximum"] = bound
+        for key in ("items", "additionalProperties", "anyOf", "oneOf", "allOf"):
+            if key in out:
+                out[key] = self.of(out[key], bound)
+        if isinstance(out.get("properties"), dict):
+            out["properties"] = {k: self._field(k, v) for k, v in out["properties"].items()}
+        return out
+
+    def _field(self, name: str, node: Any) -> Any:
+        bounded = self.of(node, ATTEMPT_MAX if name in _COUNTERS else _JSON_INT)
+        if name in self.maxima and isinstance(bounded, dict):
+            bounded = {**bounded, "maximum": self.maxima[name]}
+            bounded.pop("exclusiveMaximum", None)
+        return bounded
+
+
+def _inline(node: Any, defs: dict[str, Any], payload: bool = False) -> Any:
     """`node` with every local $ref replaced by its definition (the types are not recursive),
-    so one operation's schema stands alone in the OpenAPI document."""
+    so one operation's schema stands alone in the OpenAPI document; `payload`: free JSON
+    (pydantic's JsonValue) refers to PAYLOAD instead."""
     if isinstance(node, dict):
         ref = node.get("$ref", "")
+        if payload and ref == "#/$defs/JsonValue":
+            return {"$ref": f"#/components/schemas/{PAYLOAD}"}
         if ref.startswith("#/$defs/"):
-            return _inline(defs[ref.removeprefix("#/$defs/")], defs)
-        return {k: _inline(v, defs) for k, v in node.items() if k != "$defs"}
+            return _inline(defs[ref.removeprefix("#/$defs/")], defs, payload)
+        return {k: _inline(v, defs, payload) for k, v in node.items() if k != "$defs"}
     if isinstance(node, list):
-        return [_inline(v, defs) for v in node]
+        return [_inline(v, defs, payload) for v in node]
     return node
+
+
+def validate_strictly(adapter: TypeAdapter[T], body: bytes) -> T:
+    """`body` held to the JSON types the API document declares: pydantic's lax mode would
+    take `false` for a number and "3" for an integer. An integer may still be written 3.0,
+    as JSON Schema allows: a body whose only strict refusals are such is validated again,
+    laxly, which reads 3.0 as 3."""
+    try:
+        return adapter.validate_json(body, strict=True)
+    except ValidationError as e:
+        if not all(_integral_float(error) for error in e.errors()):
+            raise
+    return adapter.validate_json(body)
+
+
+def _integral_float(error: Any) -> bool:
+    """Whether a strict refusal is of an integer written as a float (3.0)."""
+    value = error.get("input")
+    return error["type"] == "int_type" and type(value) is float and value.is_integer()
 
 
 STATUS: dict[type[StoreError], int] = {
@@ -241,6 +327,8 @@ ERRORS: dict[str, type[StoreError]] = {c.__name__: c for c in (*STATUS, StoreErr
 """Error type names on the wire -> the class the client raises."""
 
 
+_PAYLOADS = frozenset({"input", "answer", "messages", "response"})
+"""Free JSON fields of the records a body carries (Task, Span): PAYLOAD in the document."""
 _COUNTERS = frozenset(
     {"attempt", "seq", "span_seq", "policy_version", "prefix_reused", "version"}
     | {"prompt_ids", "completion_ids"}
@@ -252,16 +340,19 @@ Loc = tuple[str | int, ...]
 
 
 def out_of_range(value: Any, loc: Loc = ("body",)) -> dict[str, Any] | None:
-    """The first integer in a parsed body outside its bound, as a validation error entry.
+    """The first number in a parsed body outside its bound, as a validation error entry.
 
     A record's counters (_COUNTERS) lie in [-ATTEMPT_MAX, ATTEMPT_MAX) (policy_version -1
     marks a remote role's span); integers anywhere else (a task's input or answer, a span's
-    messages) are JSON payload and only need to fit the 64 bits orjson and SQLite hold.
+    messages) are JSON payload and only need to fit the 64 bits orjson and SQLite hold. A
+    payload's other numbers (_PAYLOADS) lie within those 64 bits too: the API document can
+    only say "a number" of 2**70 and 2.0**70 alike (PAYLOAD_SCHEMA), so the bound holds for
+    both.
     """
     if isinstance(value, BaseModel):
         for name, field in value:
             bound = ATTEMPT_MAX if name in _COUNTERS else _JSON_INT
-            if error := _ints(field, (*loc, name), bound):
+            if error := _ints(field, (*loc, name), bound, floats=name in _PAYLOADS):
                 return error
         return None
     if isinstance(value, list):
@@ -272,8 +363,9 @@ def out_of_range(value: Any, loc: Loc = ("body",)) -> dict[str, Any] | None:
     return _ints(value, loc, _JSON_INT)
 
 
-def _ints(value: Any, loc: Loc, bound: int) -> dict[str, Any] | None:
-    """The first int in a JSON-like value outside [-bound, bound)."""
+def _ints(value: Any, loc: Loc, bound: int, floats: bool = False) -> dict[str, Any] | None:
+    """The first int (and, with `floats`, float) in a JSON-like value outside
+    [-bound, bound)."""
     if isinstance(value, list) and _numbers_within(value, bound):
         return None  # token ids and log-probs: thousands of items, checked in C
     if type(value) is int:
@@ -281,13 +373,17 @@ def _ints(value: Any, loc: Loc, bound: int) -> dict[str, Any] | None:
             return None
         power = bound.bit_length() - 1
         return {"loc": loc, "msg": f"integer out of range [-2**{power}, 2**{power})"}
+    if type(value) is float and floats:
+        if -_JSON_INT <= value < _JSON_INT:
+            return None
+        return {"loc": loc, "msg": "number out of range [-2**63, 2**63)"}
     children: list[tuple[str | int, Any]] = []
     if isinstance(value, dict):
         children = [(str(k), v) for k, v in value.items()]
     elif isinstance(value, list):
         children = list(enumerate(value))
     for key, child in children:
-        if error := _ints(child, (*loc, key), bound):
+        if error := _ints(child, (*loc, key), bound, floats):
             return error
     return None
 
