@@ -1,13 +1,18 @@
-"""The doors, checked: every role against every sensitive call, then a bounded fuzz.
+"""The doors, checked: every role against every sensitive call, what a web page, an
+anonymous upload and a long prompt can do, then a bounded fuzz.
 
 Starts the gateway + store (a scripted engine on a tiny tokenizer built locally) with an
 admin key and two runner keys, and calls each operation of the table below as each role:
 nobody (no key), a forged key, the agent key of a rollout runner w1 holds, runner w1's key,
-the admin key; each call in a world of its own (rollout A held by w1, B by w2). Then it
-fuzzes every operation of the OpenAPI document with schemathesis (bodies included,
-positive and negative cases), with keys on (as the admin) and off, and counts cases,
-server errors (5xx) and responses that break the document. Prints the table and the
-counts; the last line is one JSON object.
+the admin key; each call in a world of its own (rollout A held by w1, B by w2). Then the
+doors (issue 28, items 10-13): a web page's simple cross-origin POSTs to a keyless gateway,
+store and dashboard (csrf_blocked), reads under a rebound Host name (rebinding_blocked),
+six anonymous 60 MB uploads to the keyed service (preauth_rss_growth_mb: the server runs in
+this process), a 10 MB message (long_prompt_reject_s), a 1e300-second lease
+(lease_bound_enforced). Then it runs schemathesis with every check on every operation of
+the OpenAPI document (bodies included, positive and negative cases), with keys on (as the
+admin) and off, and counts cases, server errors (5xx) and failures. Prints it all; the last
+line is one JSON object.
 
     .venv/bin/python bench/security.py [--max-examples 8]
 """
@@ -16,8 +21,12 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
+import math
+import socket
 import tempfile
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -25,6 +34,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import orjson
 
 from tracerl.auth import Keys
 from tracerl.gateway import Gateway, ServedModel, create_app
@@ -265,6 +275,162 @@ def audit(service: Service) -> list[Row]:
     return [check(service, op, role) for op in EXPECTED for role in ROLES]
 
 
+# -- what a web page, an anonymous upload and a long prompt may do (issue 28, 10-13) ------
+
+EVIL = "http://evil.example"
+"""The origin of a web page the user happens to have open."""
+UPLOADERS = 6
+"""Anonymous clients uploading at once."""
+UPLOAD_MB = 60
+"""What each announces, and sends slowly (1 MB every 50 ms) until it is answered."""
+LONG_PROMPT_BYTES = 10 * 2**20
+"""A one-word user message of this many bytes (BPE's worst case)."""
+
+
+@dataclass(frozen=True)
+class DoorsReport:
+    """What got past the doors."""
+
+    csrf_blocked: bool
+    """A page's simple cross-origin POSTs (text/plain, its Origin) to a keyless gateway,
+    store and dashboard were all refused, and nothing was published or sent."""
+    rebinding_blocked: bool
+    """Reads under a rebound Host name (DNS rebinding) were refused while no keys are set."""
+    preauth_rss_growth_mb: float
+    """How much the server's memory grew while anonymous clients uploaded to it (keys on)."""
+    long_prompt_reject_s: float
+    """Seconds until a 10 MB message got its context_length_exceeded (inf: it did not)."""
+    lease_bound_enforced: bool
+    """A claim asking for a lease of 1e300 seconds got a 422."""
+
+    @property
+    def passed(self) -> bool:
+        """Every door held (memory: under 50 MB for the six uploads; refusal under 1 s)."""
+        return (
+            self.csrf_blocked
+            and self.rebinding_blocked
+            and self.preauth_rss_growth_mb < 50
+            and self.long_prompt_reject_s < 1.0
+            and self.lease_bound_enforced
+        )
+
+
+def csrf_blocked(keyless: Service, dashboard_url: str, runs: Path) -> bool:
+    """A page's "simple" requests (no CORS preflight: text/plain, or a body of no type)
+    are refused and change nothing: no version published, no command sent to the run."""
+    from tracerl.pipeline.control_files import read_commands
+
+    version = orjson.dumps({"version": 8, "path": "/any/path", "role": "policy"})
+    chat = orjson.dumps({"model": "policy", "messages": MESSAGES})
+    pause = orjson.dumps({"op": "pause"})
+    answers = []
+    for page in ({"content-type": "text/plain", "origin": EVIL}, {"origin": EVIL}):
+        answers += [
+            httpx.post(f"{keyless.url}/store/versions", content=version, headers=page),
+            httpx.post(f"{keyless.url}/v1/chat/completions", content=chat, headers=page),
+            httpx.post(f"{dashboard_url}/api/runs/r/control", content=pause, headers=page),
+        ]
+    served = [r for r in answers if r.status_code < 400]
+    published = keyless.store.latest_version("policy") is not None
+    return not served and not published and not read_commands(runs / "r")
+
+
+def rebinding_blocked(keyless: Service, dashboard_url: str) -> bool:
+    """Reads under the attacker's name for 127.0.0.1 are refused (no keys set)."""
+    answers = []
+    for url, path in ((keyless.url, "/store/rollouts"), (dashboard_url, "/api/runs")):
+        port = url.rsplit(":", 1)[1]
+        answers.append(httpx.get(f"{url}{path}", headers={"host": f"evil.example:{port}"}))
+    return all(r.status_code == 400 for r in answers)
+
+
+def preauth_rss_growth_mb(keyed: Service) -> float:
+    """Peak growth of this process's memory (the server runs in it) while UPLOADERS anonymous
+    clients each announce UPLOAD_MB and send it slowly to a route that needs a key."""
+    before = _rss_mb()
+    peak, done = before, threading.Event()
+
+    def sample() -> None:
+        nonlocal peak
+        while not done.is_set():
+            peak = max(peak, _rss_mb())
+            time.sleep(0.05)
+
+    sampler = threading.Thread(target=sample)
+    sampler.start()
+    uploads = [threading.Thread(target=_upload, args=(keyed.url,)) for _ in range(UPLOADERS)]
+    for t in uploads:
+        t.start()
+    for t in uploads:
+        t.join()
+    time.sleep(0.5)  # what the server still holds once the uploads are answered
+    done.set()
+    sampler.join()
+    return round(peak - before, 1)
+
+
+def _upload(url: str) -> None:
+    """POST UPLOAD_MB to /store/spans without a key, 1 MB at a time, until answered."""
+    host, port = url.removeprefix("http://").split(":")
+    head = (
+        f"POST /store/spans HTTP/1.1\r\nHost: {host}:{port}\r\n"
+        f"Content-Type: application/json\r\nContent-Length: {UPLOAD_MB * 2**20}\r\n\r\n"
+    )
+    chunk = b" " * 2**20
+    with socket.create_connection((host, int(port)), timeout=30) as conn:
+        conn.setblocking(True)
+        try:
+            conn.sendall(head.encode())
+            for _ in range(UPLOAD_MB):
+                conn.sendall(chunk)
+                time.sleep(0.05)
+        except OSError:  # answered and closed: the rest is not read
+            pass
+        with contextlib.suppress(OSError):
+            conn.recv(4096)
+
+
+def _rss_mb() -> float:
+    """This process's resident memory, in MB."""
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) / 1024
+    return 0.0
+
+
+def long_prompt_reject_s(keyless: Service) -> float:
+    """Seconds from sending a 10 MB message to its context_length_exceeded (inf if another
+    answer came)."""
+    body = orjson.dumps(
+        {"model": "policy", "messages": [{"role": "user", "content": "x" * LONG_PROMPT_BYTES}]}
+    )
+    started = time.perf_counter()
+    resp = httpx.post(
+        f"{keyless.url}/v1/chat/completions",
+        content=body,
+        headers={"content-type": "application/json"},
+        timeout=600,
+    )
+    elapsed = time.perf_counter() - started
+    refused = resp.status_code == 400 and resp.json()["error"]["code"] == "context_length_exceeded"
+    return round(elapsed, 3) if refused else math.inf
+
+
+def lease_bound_enforced(keyed: Service) -> bool:
+    """A claim of a 1e300-second lease (a dead runner's rollout never re-queued) is a 422."""
+    headers = {"authorization": f"Bearer {keyed.keys.admin}"}
+    body = {"runner_id": "w1", "n": 1, "lease_s": 1e300}
+    return httpx.post(f"{keyed.url}/store/claim", json=body, headers=headers).status_code == 422
+
+
+def dashboard_over(runs: Path) -> BackgroundServer:
+    """The dashboard over `runs` (keyless: control open to loopback) with one empty run."""
+    from tracerl.dashboard.app import create_app as dashboard_app
+
+    (runs / "r").mkdir(parents=True, exist_ok=True)
+    return serve_in_thread(dashboard_app(runs, admin_key=""))
+
+
 # -- the fuzz -----------------------------------------------------------------------------
 
 
@@ -337,25 +503,35 @@ def fuzz(
 
 
 def main() -> None:
-    """Run the table, then the fuzz with keys on and off; print both, JSON last."""
+    """Run the table, the doors and the fuzz with keys on and off; print them, JSON last."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--max-examples", type=int, default=8)
-    parser.add_argument("--budget-s", type=float, default=50.0)
+    parser.add_argument("--budget-s", type=float, default=120.0)
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = build_tokenizer_dir(Path(tmp))
         service = start_service(model_dir, KEYS)
         try:
             rows = audit(service)
+            growth = preauth_rss_growth_mb(service)  # first: before the fuzz's own garbage
+            lease = lease_bound_enforced(service)
             locked = fuzz(service.url, headers_of("admin", new_world(service), KEYS),
                           args.max_examples, args.budget_s)  # fmt: skip
         finally:
             service.close()
-        service = start_service(model_dir, Keys())
+        runs = Path(tmp) / "runs"
+        service, board = start_service(model_dir, Keys()), dashboard_over(runs)
         try:
+            csrf, rebinding = (
+                csrf_blocked(service, board.url, runs),
+                rebinding_blocked(service, board.url),
+            )
+            long_s = long_prompt_reject_s(service)
             opened = fuzz(service.url, {}, args.max_examples, args.budget_s)
         finally:
+            board.stop()
             service.close()
+    doors = DoorsReport(csrf, rebinding, growth, long_s, lease)
     passed = sum(r.got == r.expected for r in rows)
     print(f"{'operation':28} " + " ".join(f"{r:>8}" for r in ROLES))
     for op in EXPECTED:
@@ -363,16 +539,28 @@ def main() -> None:
         text = [f"{r.got}" if r.got == r.expected else f"{r.got}!={r.expected}" for r in cells]
         print(f"{op:28} " + " ".join(f"{t:>8}" for t in text))
     print(f"auth checks passed: {passed}/{len(rows)}")
+    print(f"web page's requests refused (CSRF): {doors.csrf_blocked}; "
+          f"rebound Host refused: {doors.rebinding_blocked}")  # fmt: skip
+    print(f"memory growth under {UPLOADERS} anonymous {UPLOAD_MB} MB uploads: "
+          f"{doors.preauth_rss_growth_mb} MB")  # fmt: skip
+    print(f"10 MB prompt refused in {doors.long_prompt_reject_s} s; "
+          f"1e300 s lease refused: {doors.lease_bound_enforced}")  # fmt: skip
+    print(f"doors held: {doors.passed}")
     for name, rep in (("keys on", locked), ("keys off", opened)):
-        print(f"fuzz ({name}): {rep.cases} cases, {rep.server_errors} 5xx, "
-              f"{len(rep.violations)} schema violations")  # fmt: skip
+        print(f"fuzz ({name}, every check): {rep.cases} cases, {rep.server_errors} 5xx, "
+              f"{len(rep.violations)} failures")  # fmt: skip
         for v in rep.violations[:10]:
             print("  ", v)
+    reject_s = doors.long_prompt_reject_s if math.isfinite(doors.long_prompt_reject_s) else None
     print(json.dumps({
         "auth_passed": passed, "auth_total": len(rows),
         "fuzz_cases": locked.cases + opened.cases,
         "fuzz_5xx": locked.server_errors + opened.server_errors,
         "fuzz_violations": len(locked.violations) + len(opened.violations),
+        "csrf_blocked": doors.csrf_blocked, "rebinding_blocked": doors.rebinding_blocked,
+        "preauth_rss_growth_mb": doors.preauth_rss_growth_mb,
+        "long_prompt_reject_s": reject_s, "lease_bound_enforced": doors.lease_bound_enforced,
+        "doors_passed": doors.passed,
     }))  # fmt: skip
 
 
