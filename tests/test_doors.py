@@ -23,6 +23,7 @@ from fastapi.testclient import TestClient
 from tracerl.auth import Keys
 from tracerl.dashboard.app import create_app as create_dashboard
 from tracerl.pipeline.control_files import read_commands
+from tracerl.server import serving
 
 ROOT = Path(__file__).resolve().parents[1]
 EVIL = "http://evil.example"
@@ -163,3 +164,18 @@ def test_a_web_page_cannot_steer_the_dashboard(runs: Path) -> None:
     own = {"content-type": "application/json", "origin": "http://127.0.0.1:8765"}
     assert client.post(url, content=pause, headers=own).status_code == 202
     assert client.get("/api/runs", headers={"origin": "http://127.0.0.1:8765"}).status_code == 200
+
+
+def test_a_web_page_cannot_pause_an_engine_server() -> None:
+    """The transformers engine server listens on loopback without keys too."""
+    from tracerl.engines.hf_server import create_app as engine_app
+
+    class Idle:
+        policy_version = 0
+
+    with serving(engine_app(Idle())) as url:  # type: ignore[arg-type]
+        assert httpx.post(f"{url}/pause", headers={"origin": EVIL}).status_code == 403
+        rebound = httpx.get(f"{url}/health", headers={"host": "evil.example"})
+        assert rebound.status_code == 400
+        assert httpx.post(f"{url}/pause").status_code == 200  # RemoteEngine's own calls
+        assert httpx.post(f"{url}/resume").status_code == 200

@@ -25,6 +25,7 @@ import argparse
 import asyncio
 import sys
 import uuid
+from collections.abc import Collection
 from contextlib import suppress
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -33,6 +34,7 @@ import orjson
 from fastapi import FastAPI, Request, Response
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from tracerl.doors import DoorsMiddleware
 from tracerl.engines.constrained import ConstrainedParams
 from tracerl.engines.http import SERVER_KEEPALIVE_S
 from tracerl.engines.launch import LaunchedEngine
@@ -121,9 +123,12 @@ class _Gate:
             self.idle.set()
 
 
-def create_app(engine: HFEngine) -> FastAPI:
-    """The HTTP app serving `engine` (see the module docstring)."""
+def create_app(engine: HFEngine, hosts: Collection[str] = ()) -> FastAPI:
+    """The HTTP app serving `engine` (see the module docstring). It has no keys, so it
+    answers to loopback Host names and `hosts` (the address it listens on) only, and a web
+    page may not drive it (tracerl.doors): a POST to /pause from any page would stall it."""
     app = FastAPI(title="tracerl transformers engine")
+    app.add_middleware(DoorsMiddleware, hosts=hosts)
     gate = _Gate()
     versions = {"label": str(engine.policy_version)}
 
@@ -267,7 +272,7 @@ def main(argv: list[str] | None = None) -> None:
     )
     try:
         uvicorn.run(
-            create_app(engine), host=args.host, port=args.port, log_level="warning",
+            create_app(engine, [args.host]), host=args.host, port=args.port, log_level="warning",
             access_log=False, timeout_keep_alive=SERVER_KEEPALIVE_S,
         )  # fmt: skip
     finally:
