@@ -108,8 +108,9 @@ class PromptBuilder:
         self.tokenizer = tokenizer
         self.max_context = max_context
         """Refuse texts that cannot fit in this many tokens; None: no bound."""
-        self.longest = longest_token_bytes(tokenizer)
-        """The longest token's bytes: no token covers more of a text."""
+        self.longest = longest_token_bytes(tokenizer) if max_context is not None else 1
+        """The longest token's bytes: no token covers more of a text (read once, and only
+        when there is a bound to check)."""
         eos = tokenizer.eos_token
         if not isinstance(eos, str):
             raise ValueError("the tokenizer needs an eos token to close assistant turns")
