@@ -314,7 +314,7 @@ def _asset_run(root: Path) -> None:
 def test_asset_pages_show_versions_comparisons_optimizations_and_use(tmp_path: Path) -> None:
     root = tmp_path / "runs"
     _asset_run(root)
-    client = TestClient(create_app(root, admin_key=""), client=LOOPBACK)
+    client = TestClient(create_app(root, admin_key=""), base_url=BASE, client=LOOPBACK)
     assert [r["name"] for r in get(client, "/api/runs")["runs"]] == ["assets"]  # a store only
     listed = get(client, "/api/runs/assets/assets")["assets"]
     assert [(a["name"], a["current"], a["versions"], a["candidates"]) for a in listed] == [
@@ -343,7 +343,7 @@ def test_asset_requests_refused_or_empty_as_json(tmp_path: Path) -> None:
     import sqlite3
 
     sqlite3.connect(old / "traces.db").execute("CREATE TABLE tasks (id TEXT)").connection.close()
-    client = TestClient(create_app(root, admin_key=""), client=LOOPBACK)
+    client = TestClient(create_app(root, admin_key=""), base_url=BASE, client=LOOPBACK)
     for path, status, says in [
         ("/api/runs/assets/assets/nope", 404, "no asset 'nope'"),
         ("/api/runs/assets/assets/bad%20name", 400, "not an asset name"),

@@ -331,10 +331,10 @@ _PAYLOADS = frozenset({"input", "answer", "messages", "response"})
 """Free JSON fields of the records a body carries (Task, Span): PAYLOAD in the document."""
 _COUNTERS = frozenset(
     {"attempt", "seq", "span_seq", "policy_version", "prefix_reused", "version"}
-    | {"prompt_ids", "completion_ids"}
+    | {"prompt_ids", "completion_ids", "assets"}
 )
-"""Integer fields of the records a body carries (Span, Reward, PolicyVersion), and the
-token id lists, all held below ATTEMPT_MAX (ids are packed as int32)."""
+"""Integer fields of the records a body carries (Span, Reward, PolicyVersion), the token id
+lists, and a span's asset versions, all held below ATTEMPT_MAX (ids are packed as int32)."""
 
 Loc = tuple[str | int, ...]
 
@@ -368,6 +368,8 @@ def _ints(value: Any, loc: Loc, bound: int, floats: bool = False) -> dict[str, A
     [-bound, bound)."""
     if isinstance(value, list) and _numbers_within(value, bound):
         return None  # token ids and log-probs: thousands of items, checked in C
+    if isinstance(value, BaseModel):  # a record inside a record: a comparison's pairs
+        return out_of_range(value, loc)
     if type(value) is int:
         if -bound <= value < bound:
             return None
