@@ -23,7 +23,8 @@ from tracerl.roles import RoleConfig, remote_roles
 from tracerl.runner import RunnerConfig
 from tracerl.stack import start_stack
 from tracerl.store.sqlite import SqliteStore
-from tracerl.trainer.trainer import LoraSettings, Trainer, TrainerConfig
+from tracerl.trainer.config import LoraSettings, TrainerConfig
+from tracerl.trainer.trainer import Trainer
 from tracerl.types import Task, Transition
 
 CLIENT = httpx.Client()

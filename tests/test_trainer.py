@@ -13,8 +13,9 @@ from transformers import AutoModelForCausalLM
 
 from tracerl.algorithms import GRPO, compute_advantages
 from tracerl.algorithms.transitions import spans_to_transitions
+from tracerl.trainer.config import LoraSettings, TrainerConfig
 from tracerl.trainer.loss import LossConfig
-from tracerl.trainer.trainer import LoraSettings, Trainer, TrainerConfig
+from tracerl.trainer.trainer import Trainer
 from tracerl.types import Span
 
 
