@@ -152,6 +152,7 @@ def test_no_keys_leaves_every_route_open(tiny_model_dir: Path) -> None:
         s.close()
 
 
+@pytest.mark.slow
 def test_a_runner_hands_its_agent_the_attempt_key(service) -> None:  # type: ignore[no-untyped-def]
     service.store.add_tasks([Task(id="solo", input={"q": 1})])
     (queued,) = service.store.enqueue(["solo"], group_id="solo-group")

@@ -33,6 +33,7 @@ def _bench(name: str) -> ModuleType:
     return module
 
 
+@pytest.mark.slow
 def test_merge_bench_same_loss_and_gradients_fewer_tokens() -> None:
     merge = _bench("merge")
     # One thread: with two, another busy process on the shared machine can stall every op.

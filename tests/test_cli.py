@@ -221,6 +221,7 @@ def test_examples_run_as_plain_scripts(tmp_path: Path) -> None:
     assert len(out.read_text().splitlines()) == 2
 
 
+@pytest.mark.slow
 def test_the_wheel_ships_the_demo_example(tmp_path: Path) -> None:
     # Built from a copy: an in-tree build would write build/ and *.egg-info into the checkout.
     src = tmp_path / "src"

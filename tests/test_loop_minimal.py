@@ -11,6 +11,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
@@ -88,6 +89,7 @@ def reward(task, answer):
 """
 
 
+@pytest.mark.slow
 def test_minimal_loop_runs_from_the_command_line(tmp_path: Path) -> None:
     # The CPU smoke path: `python -m tracerl.loop_minimal` with its own tiny model, 2 steps.
     (tmp_path / "coin.py").write_text(COIN)

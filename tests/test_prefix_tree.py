@@ -218,6 +218,7 @@ def test_a_trainer_step_with_prefix_sharing_equals_one_without(
         assert float((wb[k] - v).norm()) <= 1e-4 * moved
 
 
+@pytest.mark.slow
 def test_the_bench_runs_and_its_forms_agree() -> None:
     # bench/prefix_tree.py on small settings: its rows share a real system prompt, so the
     # tree forwards fewer tokens, and the two forms it times compute the same update.

@@ -429,6 +429,7 @@ def test_tracerl_eval_serves_every_role(tiny_model_dir: Path, tmp_path: Path) ->
         tracerl.cli.main(bad)
 
 
+@pytest.mark.slow
 def test_tracerl_serve_answers_to_every_role(tiny_model_dir: Path, tmp_path: Path) -> None:
     import subprocess
     import sys

@@ -155,6 +155,7 @@ def _runner_process(url: str, env: dict[str, str]) -> subprocess.Popen[bytes]:
     return subprocess.Popen(cmd, env={**os.environ, **env}, cwd=ROOT)
 
 
+@pytest.mark.slow
 def test_killed_runner_rollouts_are_requeued_and_finished_once(stack) -> None:  # type: ignore[no-untyped-def]
     server, store = stack
     ids = _tasks(store, 4)

@@ -231,6 +231,9 @@ class SftCommand(Command):
     only when this flag is given (every step is then trained)."""
     eval_every: int = Field(default=50, ge=1)
     """With a holdout: steps between held-out checks."""
+    cooldown: int = Field(default=0, ge=0)
+    """With --skill_target: once the target is reached, steps that decay the learning rate
+    linearly to 0 before a last check (the demo uses 200; 0: stop at the check)."""
     lora: LoraSettings | None = None
     """Train a LoRA adapter (peft) instead of all weights, e.g. '{"r": 16}'; the output is
     still a plain model dir (the adapter merged in; the adapter itself in <out>/adapter)."""

@@ -51,7 +51,7 @@ def sft_config(cfg: SftCommand) -> SftConfig:
         batch_size=cfg.batch_size, bf16=cfg.bf16, device=cfg.device, threads=cfg.threads,
         checkpoint_every=cfg.checkpoint_every, target=cfg.skill_target,
         target_metric=cfg.target_metric, holdout=cfg.holdout if scored else 0.0,
-        eval_every=cfg.eval_every, lora=cfg.lora,
+        eval_every=cfg.eval_every, cooldown=cfg.cooldown, lora=cfg.lora,
     )  # fmt: skip
 
 
