@@ -9,7 +9,7 @@ is parsed into OpenAI message parts.
 Threads. Everything here runs on the gateway's event loop (the HTTP server's thread), and
 nothing here may block it: rendering chat templates and tokenizing run on the gateway's
 one tokenizer thread (one, so a tokenizer is never used by two threads at once), store calls
-on its store threads (record.py), and sampling is awaited on the engine. What costs less
+on its store threads and span writes on its span writer's (record.py), and sampling is awaited on the engine. What costs less
 than the hop to the tokenizer thread runs inline, on the loop: the range check of a short
 token-id prompt (prompting.INLINE_IDS) and a short chat's prompt (prompting.INLINE_CHARS),
 the latter only while the tokenizer thread is idle, so that the tokenizer still has one user
@@ -137,11 +137,12 @@ class Gateway:
         return sorted([*self.models, *self.remote])
 
     def close(self) -> None:
-        """Finish open sessions, stop the tokenizer and store threads (after the HTTP server
-        has stopped)."""
+        """Finish open sessions, stop the tokenizer, span-writing and store threads (after
+        the HTTP server has stopped)."""
         if self.sessions is not None:
             self.sessions.close()
         self._tokenizer_thread.shutdown(wait=True, cancel_futures=True)
+        self.recorder.close()
         self.store_executor.shutdown(wait=True, cancel_futures=True)
 
     def role(self, name: str) -> str:

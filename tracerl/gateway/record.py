@@ -9,10 +9,9 @@ file), each cheaper than a hop to a store thread:
 - the rollout lookup reads at once on the loop (`rollout_now`: a WAL reader that waits for
   no writer and no lock, and hands the lookup to a thread when it would); it is a read of
   the last commit, never a cache, so a retried rollout's call gets its new attempt;
-- span writes are grouped (`_Writes`): the calls whose spans arrive while a write is in
-  flight are written together by the next one, in one transaction (group commit), so many
-  concurrent calls cost one hop and one commit. Each call still returns only after the
-  commit that holds its spans, and a refused call (LeaseLost) fails alone. The store numbers each attempt's spans as their writes commit (Store.append_spans),
+- span writes go to the gateway's span writer (writer.py), one thread that writes the calls
+  arriving together in one transaction (group commit). Each call still returns only after
+  the commit that holds its spans, and a refused call (LeaseLost) fails alone. The store numbers each attempt's spans as their writes commit (Store.append_spans),
 so an attempt's calls are numbered in order however many are in flight, and however many
 gateway processes serve it; nothing here keeps a count that another process could reuse.
 
@@ -41,6 +40,7 @@ from tracerl.gateway.errors import GatewayError
 from tracerl.gateway.served import Choice
 from tracerl.gateway.threads import Placement
 from tracerl.gateway.tito import Prompt
+from tracerl.gateway.writer import SpanWriter
 from tracerl.store import LeaseLost, LocalStore, NotFound, Store, StoreError
 from tracerl.types import (
     ENGINE_OUTAGE,
@@ -93,7 +93,8 @@ class SpanRecorder:
         self._executor = executor
         self._local: LocalStore | None = store if isinstance(store, LocalStore) else None
         """The store, when it offers the fast paths (module doc)."""
-        self._writes = _Writes(self._local, executor) if self._local is not None else None
+        self._writer = SpanWriter(self._local) if self._local is not None else None
+        """Writes the spans, grouped, when the store is local (writer.py)."""
         self._calls: OrderedDict[tuple[str, int], set[str]] = OrderedDict()
         """Per attempt, the ids of the spans this gateway recorded or found in the store:
         the parents a call of the attempt may name."""
@@ -187,13 +188,18 @@ class SpanRecorder:
         that then misses it here finds it in the store."""
         assert self.store is not None
         try:
-            if self._writes is not None:
-                await self._writes.append(spans)
+            if self._writer is not None:
+                await self._writer.append(spans)
             else:
                 await self._io(self.store.append_spans, spans)
         except LeaseLost as e:
             raise GatewayError(409, str(e), code="rollout_not_running") from None
         self._remember(rollout).update(s.id for s in spans)
+
+    def close(self) -> None:
+        """Write the spans still queued and stop the span writer."""
+        if self._writer is not None:
+            self._writer.close()
 
     def forget(self, rollout_id: str, attempt: int) -> None:
         """Drop a finished attempt's call memory."""
@@ -212,66 +218,6 @@ class SpanRecorder:
         while len(self._calls) > self.memory:
             self._calls.popitem(last=False)
         return known
-
-
-class _Writes:
-    """Group commit of span writes: one write in flight at a time, on a store thread; the
-    writes that arrive meanwhile wait, then go together as the next (LocalStore.append_groups),
-    each awaiting its own outcome. Safe to group because each group's attempt is checked
-    and numbered inside the transaction as append_spans would (savepoints keep a refused
-    group from touching the others), and nobody hears back before the commit."""
-
-    def __init__(self, store: LocalStore, executor: Executor) -> None:
-        self._store = store
-        self._executor = executor
-        self._waiting: list[tuple[list[Span], asyncio.Future[list[int]]]] = []
-        """Writes not yet sent, in arrival order (an attempt's spans are numbered so)."""
-        self._flushing: asyncio.Task[None] | None = None
-        """The task sending them, while there are any."""
-
-    async def append(self, spans: list[Span]) -> list[int]:
-        """`Store.append_spans(spans)`, grouped with the writes around it."""
-        done = asyncio.get_running_loop().create_future()
-        self._waiting.append((spans, done))
-        if self._flushing is None:
-            self._flushing = asyncio.ensure_future(self._flush())
-        return await done
-
-    async def _flush(self) -> None:
-        loop = asyncio.get_running_loop()
-        try:
-            while self._waiting:
-                # A call cancelled before its write was sent is not written (as a thread
-                # job cancelled before it starts); once sent, it is.
-                group = [(spans, f) for spans, f in self._waiting if not f.done()]
-                self._waiting = []
-                if not group:
-                    continue
-                job = functools.partial(self._store.append_groups, [spans for spans, _ in group])
-                try:
-                    outcomes: (
-                        list[list[int] | StoreError] | list[Exception]
-                    ) = await loop.run_in_executor(self._executor, job)
-                except asyncio.CancelledError:  # the loop is stopping: nobody is answered
-                    for _, f in group:
-                        f.cancel()
-                    raise
-                except Exception as e:  # the transaction itself failed: every call did
-                    outcomes = [e] * len(group)
-                for (_, f), outcome in zip(group, outcomes, strict=True):
-                    _settle(f, outcome)
-        finally:
-            self._flushing = None
-
-
-def _settle(future: asyncio.Future[list[int]], outcome: list[int] | Exception) -> None:
-    """Hand a caller its write's outcome, unless it stopped waiting."""
-    if future.done():
-        return
-    if isinstance(outcome, BaseException):
-        future.set_exception(outcome)
-    else:
-        future.set_result(outcome)
 
 
 def _span_id(response_id: str) -> str:
