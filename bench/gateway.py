@@ -9,7 +9,14 @@ client, so the client is not what is measured), sequentially and from 32 concurr
 Every gateway call belongs to a running rollout and every second call extends the first
 (tool result appended), as an agent's would.
 
-Last line: JSON with p50_overhead_ms, p99_overhead_ms and req_per_s (gateway, concurrent).
+Both servers run side by side and are measured in alternating rounds (gateway then bare,
+then bare then gateway, ...), each round's numbers taken back to back, and the medians over
+rounds reported: on a shared machine a load change mid-run then moves both sides of a ratio
+alike instead of biasing it.
+
+Last line: JSON with p50_overhead_ms and p99_overhead_ms (median over rounds of the gateway's
+minus the bare endpoint's sequential latency), req_per_s and bare_req_per_s (32 concurrent
+clients) and req_ratio (median of each round's gateway / bare throughput).
 """
 
 from __future__ import annotations
@@ -19,11 +26,15 @@ import asyncio
 import json
 import multiprocessing
 import os
+import statistics
 import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import httpx
 import orjson
@@ -34,6 +45,8 @@ sys.path.insert(0, str(ROOT / "examples" / "calculator"))
 from agent import SYSTEM_PROMPT, TOOLS  # noqa: E402
 
 REPLY = '<tool_call>{"name": "calculator", "arguments": {"expression": "37+48"}}</tool_call>'
+PROCS = 2
+"""Client processes for the concurrent phases."""
 FIRST = [
     {"role": "system", "content": SYSTEM_PROMPT},
     {"role": "user", "content": "What is 37+48?"},
@@ -141,15 +154,13 @@ def _run_share(args: tuple[str, list[str], dict, int]) -> int:
     return asyncio.run(_client_share(*args))
 
 
-def concurrent(url: str, rollouts: list[str], bodies: dict, clients: int, procs: int = 2) -> float:
-    """Requests per second with `clients` concurrent callers spread over `procs` client
-    processes, so that the Python client is not what limits the measurement."""
-    shares = [(url, rollouts[i::procs], bodies, clients // procs) for i in range(procs)]
-    with multiprocessing.get_context("spawn").Pool(procs) as pool:
-        pool.map(_run_share, [(url, [], bodies, 1)] * procs)  # start the interpreters first
-        t0 = time.perf_counter()
-        done = sum(pool.map(_run_share, shares))
-        return done / (time.perf_counter() - t0)
+def concurrent(pool: Any, url: str, rollouts: list[str], bodies: dict, clients: int) -> float:
+    """Requests per second with `clients` concurrent callers spread over the pool's PROCS
+    client processes, so that the Python client is not what limits the measurement."""
+    shares = [(url, rollouts[i::PROCS], bodies, clients // PROCS) for i in range(PROCS)]
+    t0 = time.perf_counter()
+    done = sum(pool.map(_run_share, shares))
+    return done / (time.perf_counter() - t0)
 
 
 def running_rollouts(url: str, n: int, tag: str) -> list[str]:
@@ -169,6 +180,62 @@ def pct(xs: list[float], q: float) -> float:
     return sorted(xs)[min(len(xs) - 1, int(q * len(xs)))] * 1000
 
 
+@dataclass(frozen=True)
+class Round:
+    """One round's measurements of both servers, taken back to back."""
+
+    gateway_seq: list[float]
+    """Seconds per sequential gateway call."""
+    bare_seq: list[float]
+    """Seconds per sequential bare call."""
+    gateway_rps: float
+    """Gateway calls per second, concurrent clients."""
+    bare_rps: float
+    """Bare calls per second, concurrent clients."""
+
+
+def measure_round(
+    i: int, urls: dict[str, str], pool: Any, args: argparse.Namespace, body: dict
+) -> Round:
+    """Both servers, sequential then concurrent; which goes first alternates by round, so a
+    load change on the machine biases neither (A B B A A B ...)."""
+    gurl, burl = urls["gateway"], urls["bare"]
+    seq = args.calls // args.rounds
+    conc = args.concurrent_calls // args.rounds
+    seq_rids = running_rollouts(gurl, seq // 2, f"s{i}")
+    conc_rids = running_rollouts(gurl, conc // 2, f"c{i}")
+    bare_body = {**body, "messages": FIRST}
+    out: dict[str, Any] = {}
+    for kind in ("gateway", "bare") if i % 2 == 0 else ("bare", "gateway"):
+        if kind == "gateway":
+            out["gateway_seq"] = sequential(gurl, seq_rids, body)
+            out["gateway_rps"] = concurrent(pool, gurl, conc_rids, body, args.clients)
+        else:
+            out["bare_seq"] = _bare_seq(burl, seq, bare_body)
+            out["bare_rps"] = _bare_concurrent(pool, burl, conc, bare_body, args.clients)
+    return Round(**out)
+
+
+def summary(rounds: list[Round]) -> dict[str, Any]:
+    """Medians over rounds of each round's own numbers (and of the ratios taken within a
+    round), so one noisy round moves nothing much."""
+
+    def med(f: Callable[[Round], float]) -> float:
+        return round(statistics.median(f(r) for r in rounds), 3)
+
+    return {
+        "p50_overhead_ms": med(lambda r: pct(r.gateway_seq, 0.5) - pct(r.bare_seq, 0.5)),
+        "p99_overhead_ms": med(lambda r: pct(r.gateway_seq, 0.99) - pct(r.bare_seq, 0.99)),
+        "req_per_s": med(lambda r: r.gateway_rps),
+        "bare_req_per_s": med(lambda r: r.bare_rps),
+        "req_ratio": med(lambda r: r.gateway_rps / r.bare_rps),
+        "gateway_p50_ms": med(lambda r: pct(r.gateway_seq, 0.5)),
+        "bare_p50_ms": med(lambda r: pct(r.bare_seq, 0.5)),
+        "rounds": len(rounds),
+        "cpus": os.cpu_count(),
+    }
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--serve", choices=["bare", "gateway"])
@@ -178,6 +245,7 @@ def main() -> None:
     p.add_argument("--calls", type=int, default=1000, help="sequential calls per server")
     p.add_argument("--concurrent-calls", type=int, default=4000)
     p.add_argument("--clients", type=int, default=32)
+    p.add_argument("--rounds", type=int, default=6, help="alternating rounds (medians reported)")
     args = p.parse_args()
     if args.serve:
         serve(args.serve, args.model, args.port, args.store)
@@ -188,48 +256,36 @@ def main() -> None:
     model = tmp / "model"
     build_model(model)
     body = {"model": "policy", "tools": TOOLS, "max_tokens": 48}
-    results = {}
-    gport = free_port()
-    gateway = start("gateway", model, gport, tmp / "traces.db")
-    gurl = f"http://127.0.0.1:{gport}"
+    urls = {}
+    servers = []
     try:
-        canned = httpx.post(f"{gurl}/v1/chat/completions", json={**body, "messages": FIRST})
-        (tmp / "canned.json").write_bytes(canned.content)
-        sequential(gurl, running_rollouts(gurl, 50, "warm"), body)  # warm up
-        results["gateway_seq"] = sequential(
-            gurl, running_rollouts(gurl, args.calls // 2, "s"), body
+        gport = free_port()
+        servers.append(start("gateway", model, gport, tmp / "traces.db"))
+        urls["gateway"] = f"http://127.0.0.1:{gport}"
+        canned = httpx.post(
+            f"{urls['gateway']}/v1/chat/completions", json={**body, "messages": FIRST}
         )
-        rids = running_rollouts(gurl, args.concurrent_calls // 2, "c")
-        results["gateway_rps"] = concurrent(gurl, rids, body, args.clients)
+        (tmp / "canned.json").write_bytes(canned.content)
+        bport = free_port()
+        servers.append(start("bare", model, bport, tmp / "canned.json"))
+        urls["bare"] = f"http://127.0.0.1:{bport}"
+        sequential(urls["gateway"], running_rollouts(urls["gateway"], 50, "warm"), body)
+        _bare_seq(urls["bare"], 100, {**body, "messages": FIRST})
+        with multiprocessing.get_context("spawn").Pool(PROCS) as pool:
+            pool.map(_run_bare_share, [(urls["bare"], 1, body, 1)] * PROCS)  # start them first
+            rounds = [measure_round(i, urls, pool, args, body) for i in range(args.rounds)]
     finally:
-        gateway.terminate()
-        gateway.wait()
-    bport = free_port()
-    bare = start("bare", model, bport, tmp / "canned.json")
-    burl = f"http://127.0.0.1:{bport}"
-    try:
-        nones = [""] * (args.calls // 2)
-        bare_body = {**body, "messages": FIRST}
-        _bare_seq(burl, 100, bare_body)
-        results["bare_seq"] = _bare_seq(burl, args.calls, bare_body)
-        results["bare_rps"] = _bare_concurrent(burl, args.concurrent_calls, bare_body, args.clients)
-        del nones
-    finally:
-        bare.terminate()
-        bare.wait()
-    g, b = results["gateway_seq"], results["bare_seq"]
-    print(f"{'':10}{'p50 ms':>10}{'p99 ms':>10}{'req/s (32 clients)':>22}")
-    print(f"{'bare':10}{pct(b, 0.5):10.3f}{pct(b, 0.99):10.3f}{results['bare_rps']:22.0f}")
-    print(f"{'gateway':10}{pct(g, 0.5):10.3f}{pct(g, 0.99):10.3f}{results['gateway_rps']:22.0f}")
-    out = {
-        "p50_overhead_ms": round(pct(g, 0.5) - pct(b, 0.5), 3),
-        "p99_overhead_ms": round(pct(g, 0.99) - pct(b, 0.99), 3),
-        "req_per_s": round(results["gateway_rps"], 1),
-        "bare_req_per_s": round(results["bare_rps"], 1),
-        "gateway_p50_ms": round(pct(g, 0.5), 3),
-        "bare_p50_ms": round(pct(b, 0.5), 3),
-        "cpus": os.cpu_count(),
-    }
+        for server in servers:
+            server.terminate()
+            server.wait()
+    out = summary(rounds)
+    print(
+        f"{'round':8}{'bare p50':>10}{'gw p50':>10}{'bare req/s':>12}{'gw req/s':>12}{'ratio':>8}"
+    )
+    for i, r in enumerate(rounds):
+        bp, gp = pct(r.bare_seq, 0.5), pct(r.gateway_seq, 0.5)
+        ratio = r.gateway_rps / r.bare_rps
+        print(f"{i:<8}{bp:10.3f}{gp:10.3f}{r.bare_rps:12.0f}{r.gateway_rps:12.0f}{ratio:8.2f}")
     print(json.dumps(out))
 
 
@@ -265,13 +321,11 @@ def _run_bare_share(args: tuple[str, int, dict, int]) -> int:
     return asyncio.run(_bare_share(*args))
 
 
-def _bare_concurrent(url: str, n: int, body: dict, clients: int, procs: int = 2) -> float:
-    shares = [(url, n // procs, body, clients // procs)] * procs
-    with multiprocessing.get_context("spawn").Pool(procs) as pool:
-        pool.map(_run_bare_share, [(url, 1, body, 1)] * procs)
-        t0 = time.perf_counter()
-        done = sum(pool.map(_run_bare_share, shares))
-        return done / (time.perf_counter() - t0)
+def _bare_concurrent(pool: Any, url: str, n: int, body: dict, clients: int) -> float:
+    shares = [(url, n // PROCS, body, clients // PROCS)] * PROCS
+    t0 = time.perf_counter()
+    done = sum(pool.map(_run_bare_share, shares))
+    return done / (time.perf_counter() - t0)
 
 
 if __name__ == "__main__":

@@ -15,6 +15,7 @@ from transformers import AutoTokenizer
 
 from tracerl.gateway import Gateway, ServedModel, create_app
 from tracerl.server import BackgroundServer, serve_in_thread
+from tracerl.store import StoreError
 from tracerl.store.sqlite import SqliteStore
 from tracerl.types import Rollout, Span
 
@@ -25,7 +26,8 @@ BOUND_S = 1.0
 
 
 class SlowStore(SqliteStore):
-    """A store whose rollout lookups and span writes take `delay_s` each."""
+    """A store whose rollout lookups and span writes take `delay_s` each (in memory, so
+    every lookup goes to a store thread: it has no second connection for rollout_now)."""
 
     delay_s = 0.0
 
@@ -36,6 +38,10 @@ class SlowStore(SqliteStore):
     def append_spans(self, spans: list[Span]) -> list[int]:
         time.sleep(self.delay_s)
         return super().append_spans(spans)
+
+    def append_groups(self, groups: list[list[Span]]) -> list[list[int] | StoreError]:
+        time.sleep(self.delay_s)  # the gateway's grouped writes (record._Writes)
+        return super().append_groups(groups)
 
 
 @pytest.fixture

@@ -8,20 +8,22 @@ is parsed into OpenAI message parts.
 
 Threads. Everything here runs on the gateway's event loop (the HTTP server's thread), and
 nothing here may block it: rendering chat templates and tokenizing run on the gateway's
-one tokenizer thread (one, so a tokenizer is never used by two threads at once; a short
-token-id prompt is only range-checked, inline: prompting.INLINE_IDS), store calls on its
-store threads (record.py), and sampling is awaited on the engine. `close`
-stops both executors; the HTTP server must be stopped first (LocalStack.close does).
+one tokenizer thread (one, so a tokenizer is never used by two threads at once), store calls
+on its store threads and span writes on its span writer's (record.py), and sampling is awaited on the engine. What costs less
+than the hop to the tokenizer thread runs inline, on the loop: the range check of a short
+token-id prompt (prompting.INLINE_IDS) and a short chat's prompt (prompting.INLINE_CHARS),
+the latter only while the tokenizer thread is idle, so that the tokenizer still has one user
+at a time. `close` stops both executors; the HTTP server must be stopped first
+(LocalStack.close does).
 """
 
 from __future__ import annotations
 
 import asyncio
-import functools
 import time
 import uuid
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, TypeVar
 
 from tracerl.assets.config import AssetUse
@@ -32,8 +34,10 @@ from tracerl.gateway.distill import StudentEncoder
 from tracerl.gateway.errors import GatewayError, invalid
 from tracerl.gateway.histories import Histories, text_turns
 from tracerl.gateway.prompting import (
+    INLINE_CHARS,
     chat_prompt,
     completion_ids,
+    inline_chat,
     inline_ids,
     request_messages,
     thread_prompt,
@@ -47,7 +51,7 @@ from tracerl.gateway.sessions import Record, Sessions
 from tracerl.gateway.threads import Thread, place
 from tracerl.gateway.tito import Prompt
 from tracerl.gateway.toolcalls import parse_reply
-from tracerl.gateway.toolcalls.enforce import constrained
+from tracerl.gateway.toolcalls.enforce import constrained, forces_format
 from tracerl.store import Store
 from tracerl.types import Generation, Reward, Rollout, SamplingParams
 
@@ -108,6 +112,10 @@ class Gateway:
         self.store_executor = ThreadPoolExecutor(STORE_THREADS, "tracerl-store")
         """Where store calls run, the span recorder's and the /store API's."""
         self._tokenizer_thread = ThreadPoolExecutor(1, "tracerl-tokenize")
+        self._last_tokenize: Future[Any] = Future()
+        """The job last sent to the tokenizer thread: that thread is idle once it is done
+        (one thread, jobs in order)."""
+        self._last_tokenize.set_result(None)
         self.context = AssetContext(store, assets or {}, self.store_executor, memory)
         """The assets each call's prompt carries, and its seed (gateway/assets.py)."""
         self.context.check()
@@ -129,11 +137,12 @@ class Gateway:
         return sorted([*self.models, *self.remote])
 
     def close(self) -> None:
-        """Finish open sessions, stop the tokenizer and store threads (after the HTTP server
-        has stopped)."""
+        """Finish open sessions, stop the tokenizer, span-writing and store threads (after
+        the HTTP server has stopped)."""
         if self.sessions is not None:
             self.sessions.close()
         self._tokenizer_thread.shutdown(wait=True, cancel_futures=True)
+        self.recorder.close()
         self.store_executor.shutdown(wait=True, cancel_futures=True)
 
     def role(self, name: str) -> str:
@@ -194,19 +203,23 @@ class Gateway:
         req, assets = await self.context.chat(req, role, rollout)
         span_id = uuid.uuid4().hex
         thread = None
+        inline = inline_chat(req)
         if rollout is None:
             key = None
-            messages, tools, prompt = await self._tokenize(chat_prompt, served, req, None)
+            messages, tools, prompt = await self._tokenize(
+                chat_prompt, served, req, None, inline=inline
+            )
         else:
             # A sub-agent of the same role as its parent (a planner calling a planner) has
             # its own conversations: keying by parent keeps the parent's threads intact.
             key = (rollout.id, rollout.attempt, role, parent_id)
             threads, named = self._threads(rollout, parent_id)
             messages, tools, prompt, thread = await self._tokenize(
-                thread_prompt, served, req, key, threads, span_id, named
+                thread_prompt, served, req, key, threads, span_id, named, inline=inline
             )
         params = self._params(served, len(prompt.ids), req.token_limit(), req)
-        params = await self._tokenize(constrained, served, req, tools, params)
+        if forces_format(req):  # building a grammar may take long: never inline
+            params = await self._tokenize(constrained, served, req, tools, params)
         return Pending(
             served, req.model, rollout, parent_id, key, thread, messages, tools, prompt, params,
             req.n, "chatcmpl", span_id, assets,
@@ -327,7 +340,8 @@ class Gateway:
         if inline_ids(req.prompt):  # a short id list: checked here, no thread hop
             ids = completion_ids(served, req.prompt)
         else:
-            ids = await self._tokenize(completion_ids, served, req.prompt)
+            short = isinstance(req.prompt, str) and len(req.prompt) <= INLINE_CHARS
+            ids = await self._tokenize(completion_ids, served, req.prompt, inline=short)
         params = self._params(served, len(ids), req.max_tokens, req)
         return Pending(
             served, req.model, rollout, parent_id, None, None, [], None, Prompt(ids=ids), params,
@@ -356,11 +370,15 @@ class Gateway:
         )
         await self.recorder.reward(rollout, reward)
 
-    async def _tokenize(self, fn: Callable[..., T], *args: Any) -> T:
-        """Run template rendering / tokenization on the gateway's tokenizer thread."""
-        loop = asyncio.get_running_loop()
-        job = functools.partial(fn, *args)
-        return await loop.run_in_executor(self._tokenizer_thread, job)
+    async def _tokenize(self, fn: Callable[..., T], *args: Any, inline: bool = False) -> T:
+        """Run template rendering / tokenization on the gateway's tokenizer thread; with
+        `inline` (a job that costs less than the hop), on the loop instead when that thread
+        is idle, so the tokenizer is never used by two threads at once."""
+        if inline and self._last_tokenize.done():
+            return fn(*args)
+        job = self._tokenizer_thread.submit(fn, *args)
+        self._last_tokenize = job
+        return await asyncio.wrap_future(job)
 
     def _params(
         self,

@@ -1,8 +1,11 @@
 """A request's prompt: canonical messages and tools, and its token ids. These run on the
-gateway's tokenizer thread, never on its event loop, except the range check of a short
-token-id prompt (`INLINE_IDS`), which costs less than the hop to that thread."""
+gateway's tokenizer thread, never on its event loop, except what costs less than the hop to
+that thread: the range check of a short token-id prompt (`INLINE_IDS`) and the rendering and
+tokenizing of a short chat (`INLINE_CHARS`, `inline_chat`)."""
 
 from __future__ import annotations
+
+from pydantic import BaseModel
 
 from tracerl.gateway.chat import ChatRequest, Message, ToolSpec, normalize_message
 from tracerl.gateway.errors import GatewayError
@@ -11,9 +14,11 @@ from tracerl.gateway.threads import HistoryKey, Placement, Thread, place
 from tracerl.gateway.tito import History, Prompt, PromptTooLong
 
 __all__ = [
+    "INLINE_CHARS",
     "INLINE_IDS",
     "chat_prompt",
     "completion_ids",
+    "inline_chat",
     "inline_ids",
     "request_messages",
     "thread_prompt",
@@ -25,6 +30,43 @@ INLINE_IDS = 2_048
 """Token-id prompts up to this long are checked on the event loop: the range check takes
 tens of microseconds there, less than a round trip to the tokenizer thread, and a longer
 one would hold the loop (and every other call) for longer than that round trip."""
+
+
+INLINE_CHARS = 4_096
+"""Chats whose messages and tools hold at most this many characters are rendered and
+tokenized on the event loop. Rendering is Python (it holds the GIL on the tokenizer thread
+too, so the loop waits for it either way); a short chat takes ~0.1-0.5 ms, no more than the
+round trip to the thread under load, while a longer one (a 50 KB system prompt) could hold
+the loop for milliseconds, and goes to the thread, where the Rust tokenizer releases the
+GIL."""
+
+
+def inline_chat(req: ChatRequest) -> bool:
+    """Whether the request's chat is short enough to render on the event loop: its strings
+    (keys and values of messages and tools) hold at most INLINE_CHARS characters. Stops
+    counting once past the bound, so a 10 MB message costs no more to judge than a short one."""
+    return _chars_left(INLINE_CHARS, [req.messages, req.tools]) >= 0
+
+
+def _chars_left(budget: int, value: object) -> int:
+    """`budget` less the characters of the strings in `value` (JSON values and pydantic
+    models, walked without recursion: nesting depth is the client's to choose); negative as
+    soon as it runs out."""
+    stack = [value]
+    while stack and budget >= 0:
+        v = stack.pop()
+        if isinstance(v, str):
+            budget -= len(v)
+        elif isinstance(v, dict | list | tuple):
+            budget -= len(v)  # a separator an item at least; a huge one is judged unopened
+            if budget >= 0:
+                stack.extend([*v.keys(), *v.values()] if isinstance(v, dict) else v)
+        elif isinstance(v, BaseModel):
+            stack.extend(v.__dict__.values())
+            stack.extend((v.__pydantic_extra__ or {}).values())
+        else:  # numbers, booleans, None
+            budget -= 1
+    return budget
 
 
 def chat_prompt(

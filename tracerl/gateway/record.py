@@ -1,9 +1,17 @@
 """Attribution and span recording: which rollout attempt a call belongs to, and its spans.
 
-The gateway's event loop never calls the store itself: every store call (rollout lookup,
+The gateway's event loop never waits on the store: every store call (rollout lookup,
 parent check, span and reward writes) runs on the gateway's store executor, so a slow
 write (a 10 MB message, a busy disk, another process holding the file) never stalls the
-loop. The store numbers each attempt's spans as their writes commit (Store.append_spans),
+loop. Two exceptions for a store in this process (store.LocalStore, SqliteStore on a
+file), each cheaper than a hop to a store thread:
+
+- the rollout lookup reads at once on the loop (`rollout_now`: a WAL reader that waits for
+  no writer and no lock, and hands the lookup to a thread when it would); it is a read of
+  the last commit, never a cache, so a retried rollout's call gets its new attempt;
+- span writes go to the gateway's span writer (writer.py), one thread that writes the calls
+  arriving together in one transaction (group commit). Each call still returns only after
+  the commit that holds its spans, and a refused call (LeaseLost) fails alone. The store numbers each attempt's spans as their writes commit (Store.append_spans),
 so an attempt's calls are numbered in order however many are in flight, and however many
 gateway processes serve it; nothing here keeps a count that another process could reuse.
 
@@ -32,7 +40,8 @@ from tracerl.gateway.errors import GatewayError
 from tracerl.gateway.served import Choice
 from tracerl.gateway.threads import Placement
 from tracerl.gateway.tito import Prompt
-from tracerl.store import LeaseLost, NotFound, Store, StoreError
+from tracerl.gateway.writer import SpanWriter
+from tracerl.store import LeaseLost, LocalStore, NotFound, Store, StoreError
 from tracerl.types import (
     ENGINE_OUTAGE,
     ChoiceOf,
@@ -82,6 +91,10 @@ class SpanRecorder:
         self.memory = memory
         """Attempts whose call memory is kept; a forgotten one is recovered from the store."""
         self._executor = executor
+        self._local: LocalStore | None = store if isinstance(store, LocalStore) else None
+        """The store, when it offers the fast paths (module doc)."""
+        self._writer = SpanWriter(self._local) if self._local is not None else None
+        """Writes the spans, grouped, when the store is local (writer.py)."""
         self._calls: OrderedDict[tuple[str, int], set[str]] = OrderedDict()
         """Per attempt, the ids of the spans this gateway recorded or found in the store:
         the parents a call of the attempt may name."""
@@ -101,7 +114,9 @@ class SpanRecorder:
         if rollout_id is None or self.store is None:
             return None
         try:
-            rollout = await self._io(self.store.get_rollout, rollout_id)
+            rollout = self._local.rollout_now(rollout_id) if self._local else None
+            if rollout is None:  # not a local store, or its read would wait: a thread's job
+                rollout = await self._io(self.store.get_rollout, rollout_id)
         except NotFound:
             raise GatewayError(
                 404, f"unknown rollout '{rollout_id}'", code="rollout_not_found"
@@ -173,10 +188,18 @@ class SpanRecorder:
         that then misses it here finds it in the store."""
         assert self.store is not None
         try:
-            await self._io(self.store.append_spans, spans)
+            if self._writer is not None:
+                await self._writer.append(spans)
+            else:
+                await self._io(self.store.append_spans, spans)
         except LeaseLost as e:
             raise GatewayError(409, str(e), code="rollout_not_running") from None
         self._remember(rollout).update(s.id for s in spans)
+
+    def close(self) -> None:
+        """Write the spans still queued and stop the span writer."""
+        if self._writer is not None:
+            self._writer.close()
 
     def forget(self, rollout_id: str, attempt: int) -> None:
         """Drop a finished attempt's call memory."""

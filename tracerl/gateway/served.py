@@ -47,7 +47,8 @@ class ServedModel:
     vocab_size: int = field(init=False)
     """Token ids below this are the tokenizer's (added tokens included)."""
     prompts: PromptBuilder = field(init=False)
-    """Renders and tokenizes this model's prompts (used on the gateway's tokenizer thread)."""
+    """Renders and tokenizes this model's prompts (on the gateway's tokenizer thread, or its
+    loop for a short chat while that thread is idle: core.Gateway._tokenize)."""
     tool_format: ToolFormat = field(init=False)
     """How its replies' tool calls are parsed and forced."""
     reasoning: Reasoning | None = field(init=False)

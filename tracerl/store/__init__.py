@@ -22,6 +22,7 @@ __all__ = [
     "Conflict",
     "InvalidTransition",
     "LeaseLost",
+    "LocalStore",
     "NotFound",
     "SqliteStore",
     "Store",
@@ -214,6 +215,25 @@ class Store(Protocol):
 
     def close(self) -> None:
         """Release the connection; the store is unusable afterwards."""
+        ...
+
+
+@runtime_checkable
+class LocalStore(Protocol):
+    """What a store whose file this process opens itself (SqliteStore) offers beyond Store,
+    so that a gateway call makes fewer trips to the store's threads."""
+
+    def rollout_now(self, rollout_id: str) -> Rollout | None:
+        """The rollout as last committed, read at once, waiting on no writer and no lock
+        (cheap enough for an event loop); None when that cannot be done this instant (then
+        ask get_rollout, on a thread); NotFound when there is no such rollout."""
+        ...
+
+    def append_groups(self, groups: list[list[Span]]) -> list[list[int] | StoreError]:
+        """`append_spans` of each group, all in one transaction: one commit for many calls.
+        Each group is recorded whole or not at all on its own: one refused (LeaseLost,
+        Conflict) gets its error in its place, and the others are still recorded. Returns
+        once they are committed; an error of the transaction itself (the disk) is raised."""
         ...
 
 

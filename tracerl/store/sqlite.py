@@ -3,14 +3,16 @@
 Threads. One training process calls one SqliteStore from several threads at once: the
 gateway's store workers (span writes, rollout lookups, the /store API), the runners'
 `asyncio.to_thread` workers (claims, heartbeats, finishes), the async source's issuing
-thread, and the trainer (batches, published versions). The store owns its one connection
-and nobody else touches it: every statement runs inside `_tx` (one write transaction) or
+thread, and the trainer (batches, published versions). The store owns its connection and
+nobody else touches it: every statement runs inside `_tx` (one write transaction) or
 `_read` (one read), and both hold the store's lock for as long as the connection is in
 use, cursors included. So statements of different threads never interleave on the
 connection, and each write is one short IMMEDIATE transaction: a claim is atomic and two
-claimers never get the same rollout. Other processes on the same file are other
-connections; WAL lets them read while one writes, and IMMEDIATE plus busy_timeout makes
-writers take turns. After `close` (idempotent) every call raises StoreError.
+claimers never get the same rollout. (`rollout_now` alone reads through a second
+connection, for a caller that must not wait for that lock: the gateway's event loop.)
+Other processes on the same file are other connections; WAL lets them read while one
+writes, and IMMEDIATE plus busy_timeout makes writers take turns. After `close`
+(idempotent) every call raises StoreError.
 
 Every rollout state change goes through `_transition`, which refuses anything not in
 VALID_TRANSITIONS. The layout and the row codecs are in schema.py.
@@ -28,7 +30,14 @@ from typing import TYPE_CHECKING
 
 import orjson
 
-from tracerl.store import Conflict, InvalidTransition, NotFound, Store, StoreError
+from tracerl.store import (
+    Conflict,
+    InvalidTransition,
+    LocalStore,
+    NotFound,
+    Store,
+    StoreError,
+)
 from tracerl.store.assets import AssetSql, SqlAssets
 from tracerl.store.lifecycle import (
     attempts,
@@ -94,6 +103,9 @@ class SqliteStore(SqlAssets):
         # Reentrant so that a nested _tx fails loudly in SQLite instead of deadlocking.
         self._lock = threading.RLock()
         self._closed = False
+        self._reader: sqlite3.Connection | None = None
+        """rollout_now's connection, opened on its first call (under _reader_lock)."""
+        self._reader_lock = threading.Lock()
         self._db.execute("PRAGMA busy_timeout = 10000")  # another process may hold the file
         self._db.execute("PRAGMA journal_mode = WAL")
         # NORMAL under WAL: a committed write survives a process crash, not a power cut.
@@ -231,6 +243,32 @@ class SqliteStore(SqlAssets):
         with self._read() as db:
             return self._get(db, rollout_id)
 
+    def rollout_now(self, rollout_id: str) -> Rollout | None:
+        """LocalStore.rollout_now: read on a second connection of its own, which under WAL
+        sees the last commit without waiting for a writer; it never waits (busy_timeout 0,
+        its lock only tried), and an in-memory store has no second connection: None."""
+        if self._closed:
+            raise StoreError(f"the store {self.path} is closed")
+        if not self._reader_lock.acquire(blocking=False):
+            return None
+        try:
+            reader = self._reader or self._open_reader()
+            if reader is None:
+                return None
+            return self._get(reader, rollout_id)
+        except sqlite3.OperationalError:  # busy (a checkpoint, a recovery): ask a thread
+            return None
+        finally:
+            self._reader_lock.release()
+
+    def _open_reader(self) -> sqlite3.Connection | None:
+        if self.path in ("", ":memory:"):
+            return None
+        self._reader = sqlite3.connect(self.path, check_same_thread=False, isolation_level=None)
+        self._reader.execute("PRAGMA busy_timeout = 0")
+        self._reader.execute("PRAGMA query_only = ON")
+        return self._reader
+
     def finish(
         self,
         rollout_id: str,
@@ -299,15 +337,37 @@ class SqliteStore(SqlAssets):
     def append_spans(self, spans: list[Span]) -> list[int]:
         rows = [span_row(s) for s in spans]
         with self._tx() as db:  # IMMEDIATE: nobody appends between our MAX and our insert
-            highest = {}
-            for rollout_id, attempt in attempts(spans):
-                self._running(db, rollout_id, attempt)
-                highest[(rollout_id, attempt)] = db.execute(
-                    "SELECT MAX(seq) FROM spans WHERE rollout_id = ? AND attempt = ?",
-                    (rollout_id, attempt),
-                ).fetchone()[0]
-            seqs = next_seqs(spans, highest)
-            self._insert_spans(db, [with_seq(r, q) for r, q in zip(rows, seqs, strict=True)])
+            return self._append(db, spans, rows)
+
+    def append_groups(self, groups: list[list[Span]]) -> list[list[int] | StoreError]:
+        """LocalStore.append_groups: each group in a savepoint of one transaction, so a
+        refused group is undone alone, and one commit makes them all durable."""
+        rows = [[span_row(s) for s in spans] for spans in groups]
+        out: list[list[int] | StoreError] = []
+        with self._tx() as db:
+            for spans, packed in zip(groups, rows, strict=True):
+                db.execute("SAVEPOINT group_")
+                try:
+                    out.append(self._append(db, spans, packed))
+                except StoreError as e:
+                    db.execute("ROLLBACK TO group_")
+                    out.append(e)
+                db.execute("RELEASE group_")
+        return out
+
+    def _append(
+        self, db: sqlite3.Connection, spans: list[Span], rows: list[tuple[object, ...]]
+    ) -> list[int]:
+        """Insert `spans` (packed as `rows`) at the next seqs of their running attempts."""
+        highest = {}
+        for rollout_id, attempt in attempts(spans):
+            self._running(db, rollout_id, attempt)
+            highest[(rollout_id, attempt)] = db.execute(
+                "SELECT MAX(seq) FROM spans WHERE rollout_id = ? AND attempt = ?",
+                (rollout_id, attempt),
+            ).fetchone()[0]
+        seqs = next_seqs(spans, highest)
+        self._insert_spans(db, [with_seq(r, q) for r, q in zip(rows, seqs, strict=True)])
         return seqs
 
     def _insert_spans(self, db: sqlite3.Connection, rows: list[tuple[object, ...]]) -> None:
@@ -385,7 +445,12 @@ class SqliteStore(SqlAssets):
             if not self._closed:
                 self._closed = True
                 self._db.close()
+        with self._reader_lock:
+            if self._reader is not None:
+                self._reader.close()
+                self._reader = None
 
 
-if TYPE_CHECKING:  # mypy checks every signature against the Store protocol
+if TYPE_CHECKING:  # mypy checks every signature against the Store protocols
     _: Store = SqliteStore()
+    _local: LocalStore = SqliteStore()

@@ -26,7 +26,7 @@ from tracerl.types import SamplingParams
 if TYPE_CHECKING:
     from tracerl.gateway.served import ServedModel
 
-__all__ = ["constrained", "literal_for", "request_grammar"]
+__all__ = ["constrained", "forces_format", "literal_for", "request_grammar"]
 
 log = logging.getLogger(__name__)
 _warned: set[str] = set()
@@ -54,6 +54,16 @@ def constrained(
                         served.name)  # fmt: skip
         return params
     return ConstrainedParams(**params.model_dump(), grammar=grammar)
+
+
+def forces_format(req: ChatRequest) -> bool:
+    """Whether `req` asks for a grammar at all (tool_choice required or named, a JSON
+    response_format): only then has `constrained` anything to build, so only then does the
+    gateway send it to the tokenizer thread."""
+    choice = req.tool_choice
+    fmt = req.response_format
+    forced_tool = choice == "required" or isinstance(choice, NamedToolChoice)
+    return forced_tool or (fmt is not None and fmt.type != "text")
 
 
 def request_grammar(
