@@ -44,13 +44,15 @@ class SlowStore(SqliteStore):
         return super().append_groups(groups)
 
 
-@pytest.fixture
-def served(tiny_model_dir: Path) -> Iterator[tuple[BackgroundServer, SlowStore]]:
+@pytest.fixture(params=[512])
+def served(
+    tiny_model_dir: Path, request: pytest.FixtureRequest
+) -> Iterator[tuple[BackgroundServer, SlowStore]]:
+    """The gateway over a scripted engine of `request.param` positions, a SlowStore."""
     tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
     store = SlowStore(":memory:")
-    gateway = Gateway(
-        store, {"policy": ServedModel("policy", ScriptedEngine(tokenizer), tokenizer)}
-    )
+    engine = ScriptedEngine(tokenizer, max_context=request.param)
+    gateway = Gateway(store, {"policy": ServedModel("policy", engine, tokenizer)})
     server = serve_in_thread(create_app(gateway))
     yield server, store
     server.stop()
@@ -93,6 +95,11 @@ def test_health_answers_while_the_store_is_slow(served) -> None:  # type: ignore
     assert len(store.spans(rid)) == 1
 
 
+# A context long enough that the 1.5 MB prompt passes the byte bound (PromptBuilder refuses,
+# before any BPE, a text longer in bytes than the context could hold: 200k positions x the
+# tiny tokenizer's 13-byte longest token) and is tokenized, seconds of BPE, into ~1M ids,
+# then refused as too long in tokens.
+@pytest.mark.parametrize("served", [200_000], indirect=True)
 def test_health_answers_while_a_huge_prompt_is_tokenized(served) -> None:  # type: ignore[no-untyped-def]
     server, _ = served
     huge = "What is 37+48? " * 100_000  # 1.5 MB: seconds of BPE
