@@ -29,14 +29,17 @@ lint: install
 
 # Every test; a part of the machine a test needs and cannot find is a failure here
 # (TRACERL_REQUIRE=all), never a silent skip.
+# JOBS pytest workers (pytest-xdist); a file's tests stay on one worker, so a module's
+# servers (vLLM, a Ray cluster) start once.
+JOBS ?= 2
 test: system install vllm clis lint
-	TRACERL_REQUIRE=all $(BIN)/pytest -q
+	TRACERL_REQUIRE=all $(BIN)/pytest -q -n $(JOBS) --dist loadfile
 
 # The unit and component tests: no model build, no vLLM, Ray, browser or CLIs, nothing slow.
 FAST := not slow and not model and not vllm and not ray and not fuzz and not browser and not clis and not smollm2
 test-fast: install
 	$(BIN)/ruff check .
-	$(BIN)/pytest -q -m "$(FAST)"
+	$(BIN)/pytest -q -n $(JOBS) -m "$(FAST)"
 
 # bubblewrap, PostgreSQL and Chromium from apt, when missing (root or sudo).
 system:

@@ -15,11 +15,11 @@ from tests.needs import missing
 
 ROOT = Path(__file__).resolve().parents[1]
 
-_MODEL_FIXTURES = {"calculator_model_dir", "calculator_skilled_dir"}
+_MODEL_FIXTURES = {"calculator_model_dir", "calculator_skilled_dir", "long_model_dir"}
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """Mark the tests that need the demo's built model `model`, and those that need the
+    """Mark the tests that need a built model (the demo's, the long-context one) `model`, and those that need the
     converted SmolLM2 `smollm2`, so `make test-fast` (which deselects both) builds neither."""
     for item in items:
         fixtures = set(getattr(item, "fixturenames", ()))
