@@ -31,8 +31,11 @@ lint: install
 # (TRACERL_REQUIRE=all), never a silent skip.
 # JOBS pytest workers (pytest-xdist); a file's tests stay on one worker, so a module's
 # servers (vLLM, a Ray cluster) start once.
-JOBS ?= 2
-test: system install vllm clis lint
+# What it installs is independent (apt, .venv, .venv-vllm, .npm-tools), so it installs at once.
+JOBS ?= 3
+test:
+	$(MAKE) --no-print-directory -j4 --output-sync=target system install vllm clis
+	$(MAKE) --no-print-directory lint
 	TRACERL_REQUIRE=all $(BIN)/pytest -q -n $(JOBS) --dist loadfile
 
 # The unit and component tests: no model build, no vLLM, Ray, browser or CLIs, nothing slow.
