@@ -23,7 +23,6 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from tracerl.models import Demo, SftConfig, build_tiny_model, render_chat, sft
-from tracerl.precision import choose_precision
 
 CALC = Path(__file__).resolve().parent.parent / "examples" / "calculator"
 sys.path.insert(0, str(CALC))
@@ -137,12 +136,13 @@ def main() -> None:
     demos = [Demo.model_validate(d) for d in demonstrations(N_DEMOS)]
     work = Path(tempfile.mkdtemp(prefix="sft_curve_"))
     base = build_tiny_model(work / "base", [render_chat(d.messages, d.tools) for d in demos])
-    chosen = choose_precision("auto")
-    print(chosen.line())
     speed = {}
-    for name, bf16 in (("fp32", False), (f"chosen ({chosen.name})", "auto")):
+    for bf16 in (False, "auto"):
         cfg = SftConfig(steps=30, stop_loss=None, bf16=bf16, progress=False)
-        speed[name] = round(sft(base, demos, work / "speed", cfg).tokens_per_s)
+        result = sft(base, demos, work / "speed", cfg)
+        name = "fp32" if bf16 is False else f"chosen ({result.precision})"
+        speed[name] = round(result.tokens_per_s)
+    print(result.precision_reason)  # what `auto` chose, and why
     print(f"SFT tokens/s, 1 thread, batch 16: {speed}")
     print("stop_loss  seed  steps  loss    success@T1  sft_s  eval_s")
     # Fixed step counts (no early stop): shows how abrupt the digit-copying transition is.

@@ -56,3 +56,70 @@ def test_every_config_that_trains_defaults_to_auto() -> None:
     assert SftCommand(out="x").bf16 == "auto"
     assert TrainerConfig(bf16="false").bf16 is False  # a flag's text parses as a bool
     assert precision.Precision.model_fields["bf16"].annotation is bool
+
+
+def timings(fp32_s: float, bf16_s: float):  # type: ignore[no-untyped-def]
+    """A probe that takes `fp32_s` or `bf16_s` seconds (by the clock the chooser reads)."""
+    clock = [0.0]
+    calls: list[bool] = []
+
+    def probe(bf16: bool) -> None:
+        calls.append(bf16)
+        clock[0] += bf16_s if bf16 else fp32_s
+
+    return probe, clock, calls
+
+
+@pytest.mark.parametrize(
+    ("fp32_s", "bf16_s", "bf16"),
+    [(0.09, 0.11, False), (0.10, 0.095, False), (0.20, 0.05, True)],
+    ids=["bf16-slower", "near-tie-keeps-fp32", "bf16-faster"],
+)
+def test_auto_on_native_hardware_times_the_model_and_keeps_the_faster(  # type: ignore[no-untyped-def]
+    cpu, monkeypatch: pytest.MonkeyPatch, fp32_s: float, bf16_s: float, bf16: bool
+) -> None:
+    """Native bf16 is not enough: a small model can be slower in bf16 (the demo's model on a
+    CPU with AMX: 0.86x fp32). `auto` keeps bf16 only when it is clearly faster."""
+    cpu(True, True, "AVX512")
+    probe, clock, calls = timings(fp32_s, bf16_s)
+    monkeypatch.setattr(precision.time, "perf_counter", lambda: clock[0])
+    chosen = choose_precision("auto", "cpu", probe)
+    assert chosen.bf16 is bf16 and not chosen.emulated
+    assert (chosen.step_s_fp32, chosen.step_s_bf16) == pytest.approx((fp32_s, bf16_s))
+    assert calls.count(True) == calls.count(False) == 1 + precision.PROBE_ROUNDS
+    timed = f"a step {bf16_s:.3g} s in bf16, {fp32_s:.3g} s in fp32"
+    if bf16:
+        assert chosen.line() == f"precision: bf16 autocast (CPU has AMX; {timed})"
+    else:
+        assert chosen.line() == (
+            f"precision: fp32 (CPU has AMX, but bf16 is no faster on this model; {timed})"
+        )
+
+
+def test_a_probe_runs_only_where_auto_has_a_choice(cpu) -> None:  # type: ignore[no-untyped-def]
+    probe, _, calls = timings(0.1, 0.1)
+    cpu(False, False, "AVX2")  # emulated bf16: fp32 without timing anything
+    assert choose_precision("auto", "cpu", probe).line().startswith("precision: fp32 (CPU has")
+    cpu(True, True, "AVX512")
+    assert (
+        choose_precision(True, "cpu", probe).bf16 and not choose_precision(False, "cpu", probe).bf16
+    )
+    assert calls == []
+
+
+def test_the_model_probe_leaves_no_gradient_and_no_rng_draw() -> None:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(
+        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+        num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=16,
+        attention_dropout=0.5,
+    )  # fmt: skip
+    model = LlamaForCausalLM(config).train()
+    probe = precision.model_probe(model, rows=2, seq=64)  # capped at the model's 16 positions
+    torch.manual_seed(7)
+    before = torch.get_rng_state()
+    for bf16 in (False, True):
+        probe(bf16)
+    assert torch.equal(torch.get_rng_state(), before)
+    assert all(p.grad is None for p in model.parameters())

@@ -46,7 +46,7 @@ from tracerl.models.heads import shared_prefix_logprobs, target_logprobs
 from tracerl.models.sft_state import Checkpointer, HeldOutCheck, SftState
 from tracerl.models.template import render_chat
 from tracerl.models.tiny import TinyModelConfig, build_tiny_model
-from tracerl.precision import Bf16Setting, Precision, choose_precision
+from tracerl.precision import Bf16Setting, Precision, Probe, choose_precision, model_probe
 from tracerl.trainer.config import LoraSettings
 from tracerl.trainer.lora import with_lora
 
@@ -349,12 +349,12 @@ def sft(
         return SftResult.model_validate_json(done.model_dump_json())
     if cfg.threads is not None:
         torch.set_num_threads(cfg.threads)
-    precision = choose_precision(cfg.bf16, cfg.device)
     tokenizer = AutoTokenizer.from_pretrained(base_dir)
     base = AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32)
     model = with_lora(base, cfg.lora)
     model.to(torch.device(cfg.device))  # type: ignore[arg-type]
     encoded, held = split_holdout(encode_all(tokenizer, demos), cfg.holdout, cfg.seed)
+    precision = choose_precision(cfg.bf16, cfg.device, _probe(model, cfg, encoded))
     held = held or (encode_all(tokenizer, score_on) if score_on else [])
     trainable = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(trainable, lr=cfg.lr, weight_decay=cfg.weight_decay)
@@ -371,6 +371,12 @@ def sft(
     result = _result(cfg, out, state, precision, len(encoded), len(held))
     checkpointer.finish(result)
     return result
+
+
+def _probe(model: torch.nn.Module, cfg: SftConfig, encoded: list) -> Probe:
+    """A pass of one batch of this run's shape (its rows, its longest example), for `auto`."""
+    longest = max(len(e.input_ids) for e in encoded[: 4 * cfg.batch_size])
+    return model_probe(model, rows=cfg.batch_size, seq=longest)
 
 
 def _save(model: torch.nn.Module, out: Path, lora: bool) -> None:

@@ -53,7 +53,7 @@ from torch.distributed.fsdp import FSDPModule, fully_shard
 from torch.distributed.tensor import DTensor
 from transformers import AutoModelForCausalLM
 
-from tracerl.precision import use_bf16
+from tracerl.precision import Precision, use_bf16
 from tracerl.trainer.config import TrainerConfig
 from tracerl.trainer.gradients import backward_micro_batches, forward_logprobs, loss_denominator
 from tracerl.trainer.loss import LossMetrics
@@ -106,6 +106,16 @@ class DistributedTrainer(Trainer):
         _shard(self.model, self.device.type, self.world_size)
         # The optimizer must hold the sharded parameters, which replaced the full ones.
         self.optimizer, self.scheduler = self._build_optimizer()
+
+    def _choose_precision(self, cfg: TrainerConfig, device: str) -> Precision:
+        """Rank 0's choice on every rank: a timed `auto` could differ between ranks, and the
+        ranks of one model must compute alike."""
+        mine = super()._choose_precision(cfg, device)
+        chosen: list[object] = [mine]
+        dist.broadcast_object_list(chosen, src=0)
+        theirs = chosen[0]
+        assert isinstance(theirs, Precision)
+        return theirs.model_copy(update={"device": mine.device})
 
     def _optimizer_step(
         self, rows: list[Transition], idx: list[int], proximal: list[Tensor] | None

@@ -30,7 +30,7 @@ import torch
 from pydantic import BaseModel
 from transformers import AutoModelForCausalLM, PreTrainedModel
 
-from tracerl.precision import choose_precision, use_bf16
+from tracerl.precision import Precision, choose_precision, model_probe, use_bf16
 from tracerl.trainer.config import TrainerConfig
 from tracerl.trainer.gradients import forward_logprobs, loss_and_grads
 from tracerl.trainer.lora import merged_lora_state, with_lora
@@ -97,21 +97,30 @@ class Trainer:
     """Holds the trainable policy and its optimizer; `train(rows)` is one update."""
 
     def __init__(self, model_dir: str | Path, cfg: TrainerConfig, device: str = "cpu") -> None:
-        # 'auto' is decided here, once, where the device is known; the rest reads a bool.
-        self.precision = choose_precision(cfg.bf16, device)
-        cfg = cfg.model_copy(update={"bf16": self.precision.bf16})
-        self.cfg = cfg
         self.device = torch.device(device)
         self.model_dir = str(model_dir)
         base = AutoModelForCausalLM.from_pretrained(self.model_dir, dtype=torch.float32)
         self.model: PreTrainedModel = with_lora(base, cfg.lora)
         self.model.to(self.device)  # type: ignore[arg-type]
         self.model.train()
+        # 'auto' is decided here, once, where the device and the model are known (it may time
+        # the model); the rest reads a bool.
+        self.precision = self._choose_precision(cfg, device)
+        cfg = cfg.model_copy(update={"bf16": self.precision.bf16})
+        self.cfg = cfg
         self.optimizer, self.scheduler = self._build_optimizer()
         self.version = 0
         self._rng = random.Random(cfg.seed)
         # The KL reference is the starting policy, kept only when the KL term is on.
         self._reference = _reference(self.model, cfg) if cfg.loss.kl_coef > 0 else None
+
+    def _choose_precision(self, cfg: TrainerConfig, device: str) -> Precision:
+        """`cfg.bf16` on this device for this model; `auto` times a pass of about a thousand
+        tokens in each precision where the hardware has native bf16."""
+        limit = getattr(self.model.config, "max_position_embeddings", 512) or 512
+        seq = min(512, limit, cfg.micro_batch_tokens)
+        probe = model_probe(self.model, rows=max(1, 1024 // seq), seq=seq)
+        return choose_precision(cfg.bf16, device, probe)
 
     def _build_optimizer(
         self,
