@@ -181,7 +181,7 @@ def measure(model: Path, cfg: EngineConfig, args: Any) -> dict[str, float]:
             numbers = {"tok_s": tok_s, "spans": len(spans)}
             numbers["max_logprob_diff"] = max_gap(reference, spans)
             numbers["sync_s"] = sync_s(stack, reference)
-            if cfg.kind == "vllm":
+            if cfg.kind == "vllm" and args.pairs > 0:
                 prompt = spans[0].prompt_ids
                 overhead = gateway_overhead_ms(stack, prompt, args.pairs)
                 numbers["overhead_ms"] = overhead["gateway"]
