@@ -1,14 +1,16 @@
 """`tracerl demo` at several recipe seeds: its promise must not depend on luck or the CPU.
 
 Runs the demo (as a user would: `tracerl demo`, a fresh process each) at recipe seeds 0, 1
-and 2 with the default precision (bf16 only where the CPU computes it natively), each into
+and 2 with the default precision (`auto`: bf16 only where the hardware computes it natively
+and it is faster on the model, which the demo's tiny model is not even on a CPU with AMX;
+`-- --recipe.bf16 true --trainer.bf16 true` forces bf16 everywhere), each into
 its own run directory, and reads back each run's summary.json: held-out success before and
 after training, the wall time (building the start included when it is not cached) and the
 precision the run chose. The demo's promise: every `before` <= 0.40 and every `after` >= 0.90.
 
 Last line: JSON {"before": [...], "after": [...], "wall_s": [...], "precision": "...",
 "seeds": [...], "promise_kept": bool}.
-Usage: python bench/demo_seeds.py [--seeds 0,1,2] [-- extra demo flags, e.g. --trainer.bf16 false]
+Usage: python bench/demo_seeds.py [--seeds 0,1,2] [-- extra demo flags, e.g. --trainer.bf16 true]
 """
 
 from __future__ import annotations

@@ -123,3 +123,24 @@ def test_the_model_probe_leaves_no_gradient_and_no_rng_draw() -> None:
         probe(bf16)
     assert torch.equal(torch.get_rng_state(), before)
     assert all(p.grad is None for p in model.parameters())
+
+
+def test_the_demo_recipe_builds_its_start_in_the_precision_asked(
+    monkeypatch: pytest.MonkeyPatch, tmp_path
+) -> None:  # type: ignore[no-untyped-def]
+    """`--recipe.bf16 true` builds both stages in bf16, cached apart from the `auto` start."""
+    import importlib
+
+    from tracerl.demo import CalculatorRecipe, _build_calculator_model
+
+    # The package exports functions of the same names as these modules: import them by path.
+    sft_module = importlib.import_module("tracerl.models.sft")
+    tiny_module = importlib.import_module("tracerl.models.tiny")
+    seen: list[object] = []
+    monkeypatch.setattr(tiny_module, "build_tiny_model", lambda *a, **k: None)
+    monkeypatch.setattr(sft_module, "sft", lambda base, demos, out, cfg, **k: seen.append(cfg.bf16))
+    recipe = CalculatorRecipe(demos=8, bf16=True)
+    assert recipe.name() != CalculatorRecipe(demos=8).name() and recipe.name().endswith("-bf16")
+    assert CalculatorRecipe(bf16=False).skill_name().endswith("-fp32")
+    _build_calculator_model(recipe, tmp_path, tmp_path / recipe.name(), rebuild=True)
+    assert seen == [True, True]  # the skill stage, then the habit stage

@@ -22,6 +22,7 @@ from tracerl.cache import build_lock, cache_dir
 from tracerl.engines.config import EngineConfig
 from tracerl.examples import example_dir, example_file, example_module
 from tracerl.pipeline.config import PipelineConfig, TrainConfig
+from tracerl.precision import Bf16Setting
 from tracerl.runner import RunnerConfig
 
 if TYPE_CHECKING:
@@ -91,17 +92,27 @@ class CalculatorRecipe(BaseModel):
     heads: int = Field(default=4, ge=1)
     """Attention heads of the 192-wide model: 4 (head size 48) is the measured default; 3
     (head size 64) is a size vLLM's CPU attention accepts (`--engine.kind vllm`)."""
+    bf16: Bf16Setting = "auto"
+    """The stages' precision (tracerl.precision): auto, or true/false to build the start in
+    bf16 or fp32 whatever the hardware; a forced one is a start of its own in the cache."""
 
     def name(self) -> str:
         """The cache directory name: one per distinct recipe."""
         return (
             f"calculator-tiny{self._shape()}-{self._skill()}-lazy{self.lazy_rate:g}x"
-            f"{self.habit_steps}at{self.habit_lr:g}-n{self.demos}-seed{self.seed}"
+            f"{self.habit_steps}at{self.habit_lr:g}-n{self.demos}-seed{self.seed}{self._arith()}"
         )
 
     def skill_name(self) -> str:
         """The cache directory name of the skill stage."""
-        return f"calculator-tiny{self._shape()}-{self._skill()}-n{self.demos}-seed{self.seed}"
+        return (
+            f"calculator-tiny{self._shape()}-{self._skill()}-n{self.demos}-seed{self.seed}"
+            f"{self._arith()}"
+        )
+
+    def _arith(self) -> str:
+        """ "" under auto, else -bf16 or -fp32."""
+        return "" if self.bf16 == "auto" else ("-bf16" if self.bf16 else "-fp32")
 
     def _skill(self) -> str:
         return (
@@ -156,6 +167,7 @@ def _build_calculator_model(
         steps=recipe.skill_cap, lr=recipe.skill_lr, target=recipe.skill_target,
         target_metric="sampled",
         cooldown=recipe.skill_cooldown, holdout=0.1, eval_every=50, seed=recipe.seed,
+        bf16=recipe.bf16,
     )  # fmt: skip
     # A killed build continues from its checkpoint (resume), a finished stage is kept.
     sft(base, clean, skilled, skill, resume=not rebuild)
@@ -164,7 +176,7 @@ def _build_calculator_model(
     lazy = calculator_demos(recipe.demos, recipe.seed + 2000, recipe.lazy_rate)
     habit = SftConfig(
         steps=recipe.habit_steps, lr=recipe.habit_lr, seed=recipe.seed,
-        eval_every=recipe.habit_steps,
+        eval_every=recipe.habit_steps, bf16=recipe.bf16,
     )  # fmt: skip
     # Scored at its end on the skill stage's held-out clean demos: the start's success.
     _, held = split_holdout(clean, skill.holdout, skill.seed)
