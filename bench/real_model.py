@@ -114,8 +114,8 @@ def engine_flags(args: argparse.Namespace) -> list[str]:
 def evaluate(model: Path, tasks: Path, name: str, work: Path, args: argparse.Namespace) -> float:
     """`tracerl eval` on the held-out split; its success rate."""
     tracerl(
-        "eval", f"{example('agent.py')}:run", "--tasks", str(tasks), "--split", "eval",
-        "--model", str(model), "--reward", f"{example('reward.py')}:reward",
+        "eval", f"{example('agent')}:run", "--tasks", str(tasks), "--split", "eval",
+        "--model", str(model), "--reward", f"{example('reward')}:reward",
         "--name", name, "--runs", str(work / "runs"), *engine_flags(args),
         log=work / f"{name}.log",
     )  # fmt: skip
@@ -141,7 +141,7 @@ def rl(start: Path, tasks: Path, work: Path, args: argparse.Namespace) -> dict[s
     wall time and trainer tokens/s."""
     wall = tracerl(
         "train", "--name", "rl", "--runs", str(work / "runs"), "--model", str(start),
-        "--agent", f"{example('agent.py')}:run", "--reward", f"{example('reward.py')}:reward",
+        "--agent", f"{example('agent')}:run", "--reward", f"{example('reward')}:reward",
         "--tasks", str(tasks), "--device", args.device,
         "--pipeline.steps", str(args.rl_steps),
         "--pipeline.tasks_per_step", str(args.tasks_per_step),

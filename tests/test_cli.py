@@ -299,3 +299,23 @@ def test_sigterm_where_no_exception_can_unwind_still_stops_the_command(
         [sys.executable, "-c", code, str(tmp_path)], capture_output=True, text=True
     )
     assert (out.returncode, out.stdout, out.stderr) == (143, printed, "")
+
+
+def test_a_missing_file_or_a_bad_task_is_one_line_not_a_traceback(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from tracerl.cli import main
+
+    monkeypatch.delenv("TRACERL_DEBUG", raising=False)
+    tasks = tmp_path / "tasks.jsonl"
+    tasks.write_text('{"id": "a", "input": {"question": "1+1"}, "answer": "2"}\n')
+    model = str(tmp_path)
+    with pytest.raises(SystemExit, match=r"^tracerl eval: no such agent file: .*nope\.py"):
+        main(["eval", "x.py:run", "--tasks", str(tasks), "--model", model,
+              "--reward", f"{tmp_path}/nope.py:reward"])  # fmt: skip
+    tasks.write_text('{"id": "a", "input": "1+1", "answer": "2"}\n')
+    with pytest.raises(SystemExit, match=rf"^tracerl eval: {tasks}:1: Input should be"):
+        main(["eval", f"{tmp_path}/nope.py:run", "--tasks", str(tasks), "--model", model])
+    monkeypatch.setenv("TRACERL_DEBUG", "1")  # the traceback, for whoever debugs tracerl
+    with pytest.raises(ValueError, match=":1: Input should be"):
+        main(["eval", f"{tmp_path}/nope.py:run", "--tasks", str(tasks), "--model", model])

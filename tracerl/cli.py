@@ -9,6 +9,7 @@ once the command runs. Each run saves its resolved config next to its outputs.
 from __future__ import annotations
 
 import importlib
+import os
 import signal
 import sys
 import threading
@@ -119,6 +120,10 @@ def main(argv: list[str] | None = None) -> None:
     entry = importlib.import_module(f"tracerl.entrypoints.{name}")
     try:
         entry.main(getattr(parsed, name), console)
+    except (FileNotFoundError, ValueError) as e:  # a path or a value the user gave: one line
+        if _terminated_by is None and not os.environ.get("TRACERL_DEBUG"):
+            raise SystemExit(f"tracerl {name}: {e} (TRACERL_DEBUG=1 shows where)") from None
+        raise
     except Exception:
         if _terminated_by is None:
             raise
