@@ -1,7 +1,7 @@
 """A real pretrained model, SmolLM2-135M-Instruct (its Q4_1 GGUF dequantized: the quantized
 model's weights), served through the gateway: plain chat answered, a tool call rendered the
 Hermes way for its tool-less template and recorded with exact ids across two turns, and a
-prompt beyond its 8,192 positions refused with the API's own error before any sampling."""
+prompt beyond its 8,192 positions refused with the API's own error before any sampling; one RL step on a recorded call, and the model it exports loads."""
 
 from __future__ import annotations
 
@@ -98,3 +98,35 @@ def test_plain_chat_and_the_context_limit(smollm2_stack: LocalStack) -> None:
     error = reply.json()["error"]
     assert error["code"] == "context_length_exceeded" and "8192" in error["message"]
     assert time.perf_counter() - started < 5
+
+
+def test_one_rl_step_on_its_recorded_call_and_the_export_loads(
+    smollm2_stack: LocalStack, smollm2_dir: Path, tmp_path: Path
+) -> None:
+    """The recorded call trains: one step with a finite loss that changes the weights, and the
+    model it writes loads in plain transformers with those weights."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from tracerl.algorithms.transitions import spans_to_transitions
+    from tracerl.trainer.config import TrainerConfig
+    from tracerl.trainer.trainer import Trainer
+
+    stack = smollm2_stack
+    ask = {"model": "policy", "messages": [{"role": "user", "content": "What is 3 + 4? Use the "
+           "add tool."}], "tools": TOOLS, "max_tokens": 32, "temperature": 1.0}  # fmt: skip
+    assert _chat(stack, ask, "rl-step").status_code == 200
+    [rollout] = stack.store.rollouts(task_id=session_task_id("rl-step"))
+    [row] = spans_to_transitions(stack.store.spans(rollout.id), 1.0, group_id="g", task_id="t")
+    row = row.model_copy(update={"advantages": [float(m) for m in row.loss_mask]})
+    trainer = Trainer(smollm2_dir, TrainerConfig(lr=1e-5), "cpu")
+    weight = trainer.model.get_parameter("model.layers.0.self_attn.q_proj.weight")
+    before = weight.detach().clone()
+    metrics = trainer.train([row])
+    assert metrics.optimizer_steps == 1 and metrics.nonfinite_steps == 0
+    assert torch.isfinite(torch.tensor(metrics.loss)) and metrics.trained_tokens > 0
+    assert not torch.equal(weight.detach(), before)
+    trainer.save_model(tmp_path / "model")
+    exported = AutoModelForCausalLM.from_pretrained(tmp_path / "model", dtype=torch.float32)
+    got = exported.get_parameter("model.layers.0.self_attn.q_proj.weight")
+    assert torch.equal(got, weight.detach())
