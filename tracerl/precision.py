@@ -10,9 +10,11 @@ measured once. The choice is printed once per command and recorded with its outp
 
 Native is not enough: autocast casts every weight and activation, and on a small model those
 casts cost more than the bf16 matmuls save (the demo's 1.8M-parameter model on a CPU with AMX:
-0.86x fp32's speed). So where the caller hands over its model, `auto` on native hardware also
-times a few forward+backward passes of that model in each precision and keeps bf16 only when it
-is clearly faster; near a tie it keeps fp32, the exact arithmetic. A run that must not depend
+0.86x fp32's speed). So where the caller hands over a probe, `auto` on native hardware also
+times a few forward+backward passes of its own training code on a sample batch in each
+precision and keeps bf16 only when it is clearly faster; near a tie it keeps fp32, the exact
+arithmetic. (A generic pass of the model's own loss is no stand-in: on the demo's model it
+said bf16 was 15% faster, the SFT loop's own pass 14% slower.) A run that must not depend
 on a measurement sets true or false.
 
 The setting type is torch-free (configs import it); the hardware is asked lazily.
@@ -36,15 +38,23 @@ __all__ = [
     "Bf16Setting",
     "Precision",
     "choose_precision",
-    "model_probe",
     "native_bf16",
+    "probe_pass",
+    "probe_rows",
     "use_bf16",
 ]
 
-BF16_MARGIN = 0.9
-"""`auto` keeps bf16 only when a measured step takes at most this share of fp32's time."""
+BF16_MARGIN = 0.8
+"""`auto` keeps bf16 only when a measured step takes at most this share of fp32's time: a
+clear win (SmolLM2 on an AMX CPU: 0.57), not a tie that the machine's load can flip (the
+demo's model in the trainer: 0.87-0.9), which keeps the exact arithmetic."""
 PROBE_ROUNDS = 3
 """Timed passes in each precision (after one untimed warm-up each); the median counts."""
+PROBE_FLOPS = 2e10
+"""Most work of one probe pass (6 x parameters x tokens), so that timing both precisions
+costs seconds, not minutes: 12 rows of the demo's SFT batch of 16, 3 of the trainer's 16
+rows of 512 tokens on the demo's model, one row on SmolLM2. A smaller pass favours bf16 less,
+so a cut probe errs towards fp32."""
 
 Probe = Callable[[bool], None]
 """One forward+backward pass of the model to be trained, under bf16 autocast when True."""
@@ -166,25 +176,25 @@ def _time_both(probe: Probe, device: str) -> tuple[float, float]:
     return statistics.median(runs[False]), statistics.median(runs[True])
 
 
-def model_probe(model: torch.nn.Module, rows: int, seq: int) -> Probe:
-    """A `Probe` for `model` (an HF causal LM on its device): a forward and backward pass of
-    `rows` random sequences of `seq` tokens, the shape of a training micro-batch. It leaves no
+def probe_rows(model: torch.nn.Module, rows: int, seq: int) -> int:
+    """`rows`, or fewer (at least one) where a pass of `rows` x `seq` tokens through `model`
+    would exceed PROBE_FLOPS."""
+    params = sum(p.numel() for p in model.parameters())
+    return max(1, min(rows, int(PROBE_FLOPS / (6 * params * max(seq, 1)))))
+
+
+def probe_pass(model: torch.nn.Module, backward: Probe) -> Probe:
+    """A `Probe` from `backward(bf16)`, the caller's own forward and backward pass of a sample
+    batch (the same code its training steps run, so the timing is theirs): it leaves no
     gradient behind and does not move the global RNG (dropout draws are given back)."""
     import torch
 
     device = next(model.parameters()).device
-    config = getattr(model, "config")  # noqa: B009 (a PreTrainedModel's, typed as Module's)
-    limit = int(getattr(config, "max_position_embeddings", seq) or seq)
-    gen = torch.Generator().manual_seed(0)
-    ids = torch.randint(0, int(config.vocab_size), (rows, min(seq, limit)), generator=gen)
-    ids = ids.to(device)
     devices = [device] if device.type == "cuda" else []
 
     def probe(bf16: bool) -> None:
         with torch.random.fork_rng(devices=devices):
-            with torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16):
-                loss = model(input_ids=ids, labels=ids).loss
-            loss.backward()
+            backward(bf16)
         model.zero_grad(set_to_none=True)
 
     return probe

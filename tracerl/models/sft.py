@@ -46,7 +46,14 @@ from tracerl.models.heads import shared_prefix_logprobs, target_logprobs
 from tracerl.models.sft_state import Checkpointer, HeldOutCheck, SftState
 from tracerl.models.template import render_chat
 from tracerl.models.tiny import TinyModelConfig, build_tiny_model
-from tracerl.precision import Bf16Setting, Precision, Probe, choose_precision, model_probe
+from tracerl.precision import (
+    Bf16Setting,
+    Precision,
+    Probe,
+    choose_precision,
+    probe_pass,
+    probe_rows,
+)
 from tracerl.trainer.config import LoraSettings
 from tracerl.trainer.lora import with_lora
 
@@ -300,15 +307,25 @@ def _step(
     bf16: bool,
 ) -> float:
     """One optimizer step on a collated batch; its loss (mean over the masked tokens)."""
-    shared = shared_prefix_logprobs(model, *batch, bf16=bf16) if cfg.prefix_sharing else None
-    logp_N = shared if shared is not None else target_logprobs(model, *batch, bf16=bf16).logp_N
-    loss = -logp_N.mean() if logp_N.numel() else logp_N.sum()
+    loss = _loss(model, batch, cfg, bf16)
     loss.backward()
     torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
     optimizer.step()
     schedule.step()
     optimizer.zero_grad(set_to_none=True)
     return float(loss.detach())
+
+
+def _loss(
+    model: torch.nn.Module,
+    batch: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+    cfg: SftConfig,
+    bf16: bool,
+) -> torch.Tensor:
+    """The mean negative log-prob of a collated batch's masked tokens."""
+    shared = shared_prefix_logprobs(model, *batch, bf16=bf16) if cfg.prefix_sharing else None
+    logp_N = shared if shared is not None else target_logprobs(model, *batch, bf16=bf16).logp_N
+    return -logp_N.mean() if logp_N.numel() else logp_N.sum()
 
 
 def _ignore(line: str) -> None:
@@ -354,7 +371,8 @@ def sft(
     model = with_lora(base, cfg.lora)
     model.to(torch.device(cfg.device))  # type: ignore[arg-type]
     encoded, held = split_holdout(encode_all(tokenizer, demos), cfg.holdout, cfg.seed)
-    precision = choose_precision(cfg.bf16, cfg.device, _probe(model, cfg, encoded))
+    probe = _probe(model, cfg, encoded, pad_token_id(tokenizer))
+    precision = choose_precision(cfg.bf16, cfg.device, probe)
     held = held or (encode_all(tokenizer, score_on) if score_on else [])
     trainable = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(trainable, lr=cfg.lr, weight_decay=cfg.weight_decay)
@@ -373,10 +391,13 @@ def sft(
     return result
 
 
-def _probe(model: torch.nn.Module, cfg: SftConfig, encoded: list) -> Probe:
-    """A pass of one batch of this run's shape (its rows, its longest example), for `auto`."""
-    longest = max(len(e.input_ids) for e in encoded[: 4 * cfg.batch_size])
-    return model_probe(model, rows=cfg.batch_size, seq=longest)
+def _probe(model: torch.nn.Module, cfg: SftConfig, encoded: list, pad_id: int) -> Probe:
+    """For `auto`: the training step's own forward and backward pass on this run's first
+    examples, as many as a batch holds (fewer on a large model: precision.PROBE_FLOPS)."""
+    longest = max(len(e.input_ids) for e in encoded[: cfg.batch_size])
+    rows = probe_rows(model, cfg.batch_size, min(longest, cfg.max_len))
+    batch = tuple(t.to(cfg.device) for t in collate(encoded[:rows], pad_id, cfg.max_len))
+    return probe_pass(model, lambda bf16: _loss(model, batch, cfg, bf16).backward())  # type: ignore[arg-type]
 
 
 def _save(model: torch.nn.Module, out: Path, lora: bool) -> None:

@@ -30,7 +30,7 @@ import torch
 from pydantic import BaseModel
 from transformers import AutoModelForCausalLM, PreTrainedModel
 
-from tracerl.precision import Precision, choose_precision, model_probe, use_bf16
+from tracerl.precision import Precision, choose_precision, probe_pass, probe_rows, use_bf16
 from tracerl.trainer.config import TrainerConfig
 from tracerl.trainer.gradients import forward_logprobs, loss_and_grads
 from tracerl.trainer.lora import merged_lora_state, with_lora
@@ -115,12 +115,15 @@ class Trainer:
         self._reference = _reference(self.model, cfg) if cfg.loss.kl_coef > 0 else None
 
     def _choose_precision(self, cfg: TrainerConfig, device: str) -> Precision:
-        """`cfg.bf16` on this device for this model; `auto` times a pass of about a thousand
-        tokens in each precision where the hardware has native bf16."""
-        limit = getattr(self.model.config, "max_position_embeddings", 512) or 512
-        seq = min(512, limit, cfg.micro_batch_tokens)
-        probe = model_probe(self.model, rows=max(1, 1024 // seq), seq=seq)
-        return choose_precision(cfg.bf16, device, probe)
+        """`cfg.bf16` on this device for this model; `auto` times the trainer's own forward
+        and backward pass (`loss_and_grads`) on sample rows in each precision where the
+        hardware has native bf16."""
+        rows = _sample_rows(self.model, cfg)
+
+        def backward(bf16: bool) -> None:
+            loss_and_grads(self.model, rows, cfg.model_copy(update={"bf16": bf16}))
+
+        return choose_precision(cfg.bf16, device, probe_pass(self.model, backward))
 
     def _build_optimizer(
         self,
@@ -292,6 +295,32 @@ class Trainer:
         self.version = int(state["version"])
         self._rng.setstate(state["rng"])
         torch.set_rng_state(state["torch_rng"])
+
+
+def _sample_rows(model: PreTrainedModel, cfg: TrainerConfig) -> list[Transition]:
+    """Rows of 512 random tokens, half prompt and half sampled, a micro-batch's worth (fewer
+    on a large model: precision.PROBE_FLOPS): what `auto` times the trainer on."""
+    seq = min(512, cfg.micro_batch_tokens, model.config.max_position_embeddings or 512)
+    count = probe_rows(model, cfg.micro_batch_tokens // seq, seq)
+    gen = random.Random(0)
+    mask = [0] * (seq // 2) + [1] * (seq - seq // 2)
+    return [
+        Transition(
+            rollout_id=f"probe-{i}",
+            group_id="probe",
+            task_id="probe",
+            role="policy",
+            input_ids=[gen.randrange(model.config.vocab_size) for _ in range(seq)],
+            loss_mask=mask,
+            behaviour_logprobs=[-1.0 * m for m in mask],
+            versions=[0 if m else -1 for m in mask],
+            advantages=[float(m) for m in mask],
+            reward=1.0,
+            span_ids=[f"probe-{i}"],
+            num_spans=1,
+        )  # fmt: skip
+        for i in range(count)
+    ]
 
 
 def _reference(model: PreTrainedModel, cfg: TrainerConfig) -> torch.nn.Module:
