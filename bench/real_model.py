@@ -148,7 +148,7 @@ def rl(start: Path, tasks: Path, work: Path, args: argparse.Namespace) -> dict[s
         "--pipeline.group_size", str(args.group_size),
         "--pipeline.eval_every", str(args.eval_every),
         "--trainer.lora", json.dumps({"r": args.lora_r}),
-        "--trainer.prefix_sharing", "true",
+        "--trainer.prefix_sharing",
         "--runner.concurrency", str(args.tasks_per_step * args.group_size),
         *engine_flags(args), log=work / "rl.log",
     )  # fmt: skip
@@ -171,6 +171,46 @@ def prefix_breaks(store_path: Path) -> int:
         return sum(s.prefix_break is not None for r in store.rollouts() for s in store.spans(r.id))
     finally:
         store.close()
+
+
+def convert(model: Path, work: Path) -> dict[str, Any]:
+    """`tracerl models get --rebuild`: its time, the model's size and weights' checksum."""
+    from tracerl.models.gguf import read_card
+
+    wall = tracerl(
+        "models", "get", MODEL, "--out", str(model), "--rebuild", log=work / "convert.log"
+    )
+    card = read_card(model)
+    assert card is not None
+    return {
+        "convert_wall_s": wall,
+        "convert_s": card.convert_s,
+        "params": card.parameters,
+        "weights_sha256": card.files.get("model.safetensors"),
+    }
+
+
+class Stages:
+    """Each stage's numbers kept in <work>/stages.json as it ends, with its wall time and the
+    peak RSS of its processes, so a run that failed part way continues where it stopped
+    (`--fresh` starts over)."""
+
+    def __init__(self, work: Path, fresh: bool) -> None:
+        self.path = work / "stages.json"
+        kept = self.path.exists() and not fresh
+        self.done: dict[str, dict[str, Any]] = json.loads(self.path.read_text()) if kept else {}
+
+    def run(self, name: str, fn: Any) -> dict[str, Any]:
+        if name in self.done:
+            print(f"{name}: kept from an earlier run ({self.path})")
+            return self.done[name]
+        started = time.perf_counter()
+        result = dict(fn())
+        result["stage_wall_s"] = time.perf_counter() - started
+        result["stage_peak_rss_gb"] = peak_rss_gb()  # children so far: an upper bound
+        self.done[name] = result
+        self.path.write_text(json.dumps(self.done, indent=1))
+        return result
 
 
 def main() -> None:
@@ -196,40 +236,35 @@ def main() -> None:
     p.add_argument("--eval_every", type=int, default=4)
     p.add_argument("--engine_batch", type=int, default=32)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--fresh", action="store_true", help="redo the stages an earlier run kept")
     args = p.parse_args()
     work = Path(args.work).resolve()
     work.mkdir(parents=True, exist_ok=True)
-    from tracerl.models.gguf import read_card
-
+    stages = Stages(work, args.fresh)
     out: dict[str, Any] = {"model": MODEL, "weights": "Q4_1 GGUF dequantized to fp32"}
     model = work / "smollm2"
-    out["convert_wall_s"] = tracerl(
-        "models", "get", MODEL, "--out", str(model), "--rebuild", log=work / "convert.log"
-    )
-    card = read_card(model)
-    assert card is not None
-    out["convert_s"] = card.convert_s
-    out["params"] = card.parameters
-    out["weights_sha256"] = card.files.get("model.safetensors")
+    out |= stages.run("convert", lambda: convert(model, work))
     tasks, demos = write_inputs(work, args)
-    out |= engine_numbers(model, args)
-    stage = time.perf_counter()
-    out["success_base"] = evaluate(model, tasks, "base", work, args)
-    out["base_eval_s"] = time.perf_counter() - stage
-    start = sft(model, demos, work / "sft", args.sft_steps, work, args)
+    out |= stages.run("engines", lambda: engine_numbers(model, args))
+    out |= stages.run("base", lambda: {"success_base": evaluate(model, tasks, "base", work, args)})
+    start = stages.run("sft", lambda: sft(model, demos, work / "sft", args.sft_steps, work, args))
     out["sft_s"] = start["wall_s"]
-    summary = rl(work / "sft", tasks, work, args)
+    summary = stages.run("rl", lambda: rl(work / "sft", tasks, work, args))
     out["success_sft"] = summary["success_before"]
     out["success_rl"] = summary["success_after"]
-    out["train_tok_s"] = summary["train_tok_s"]
-    out["rl_wall_s"] = summary["rl_wall_s"]
-    out["prefix_breaks"] = summary["prefix_breaks"]
+    for key in ("train_tok_s", "rl_wall_s", "prefix_breaks", "precision_reason"):
+        out[key] = summary.get(key)
     # As many more SFT steps as fit in the RL run's wall time, at the SFT run's own pace.
     more = max(1, round(summary["rl_wall_s"] / (start["wall_s"] / start["steps"])))
-    sft(work / "sft", demos, work / "sft-more", more, work, args)
-    out["sft_more_steps"] = more
-    out["success_sft_more"] = evaluate(work / "sft-more", tasks, "sft-more", work, args)
-    out["peak_rss_gb"] = peak_rss_gb()
+
+    def sft_more() -> dict[str, Any]:
+        sft(work / "sft", demos, work / "sft-more", more, work, args)
+        success = evaluate(work / "sft-more", tasks, "sft-more", work, args)
+        return {"sft_more_steps": more, "success_sft_more": success}
+
+    out |= stages.run("sft_more", sft_more)
+    out["stage_wall_s"] = {name: round(r["stage_wall_s"], 1) for name, r in stages.done.items()}
+    out["peak_rss_gb"] = max(r["stage_peak_rss_gb"] for r in stages.done.values())
     out["goal_met"] = (
         out["success_rl"] >= out["success_sft"] + 0.10
         and out["success_rl"] > out["success_sft_more"]

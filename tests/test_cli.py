@@ -319,3 +319,11 @@ def test_a_missing_file_or_a_bad_task_is_one_line_not_a_traceback(
     monkeypatch.setenv("TRACERL_DEBUG", "1")  # the traceback, for whoever debugs tracerl
     with pytest.raises(ValueError, match=":1: Input should be"):
         main(["eval", f"{tmp_path}/nope.py:run", "--tasks", str(tasks), "--model", model])
+
+
+def test_a_value_after_an_on_off_flag_is_explained() -> None:
+    from tracerl.cli import main
+
+    with pytest.raises(SystemExit, match=r"no config file 'true' \(on/off flags take no value"):
+        main(["train", "--model", "m", "--agent", "a.py:run", "--tasks", "t.jsonl",
+              "--trainer.prefix_sharing", "true"])  # fmt: skip

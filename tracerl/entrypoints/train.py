@@ -55,6 +55,17 @@ def file_relative(data: dict[str, Any], folder: Path) -> dict[str, Any]:
     return out
 
 
+def _no_config(given: str) -> str:
+    """What a CONFIG that is not a file means: often a value after an on/off flag."""
+    said = f"no config file {given!r}"
+    if given.lower() in {"true", "false", "yes", "no", "on", "off", "1", "0"}:
+        said += (
+            " (on/off flags take no value: --trainer.prefix_sharing turns one on,"
+            " --no-trainer.prefix_sharing off)"
+        )
+    return said
+
+
 def resolve(cmd: TrainCommand) -> TrainConfig:
     """The run's config: the resumed run's or the file's, with the flags given on top
     (SystemExit naming each bad or unknown key, or a missing essential)."""
@@ -63,6 +74,8 @@ def resolve(cmd: TrainCommand) -> TrainConfig:
         base = _saved_config(cmd.resume)
     elif cmd.config:
         path = Path(cmd.config)
+        if not path.is_file():
+            raise SystemExit(_no_config(cmd.config))
         base = file_relative(tomllib.loads(path.read_text()), path.resolve().parent)
     else:
         base = {}
