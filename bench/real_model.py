@@ -203,14 +203,15 @@ class Stages:
     def run(self, name: str, fn: Any) -> dict[str, Any]:
         if name in self.done:
             print(f"{name}: kept from an earlier run ({self.path})")
-            return self.done[name]
-        started = time.perf_counter()
-        result = dict(fn())
-        result["stage_wall_s"] = time.perf_counter() - started
-        result["stage_peak_rss_gb"] = peak_rss_gb()  # children so far: an upper bound
-        self.done[name] = result
-        self.path.write_text(json.dumps(self.done, indent=1))
-        return result
+        else:
+            started = time.perf_counter()
+            result = dict(fn())
+            result["stage_wall_s"] = time.perf_counter() - started
+            result["stage_peak_rss_gb"] = peak_rss_gb()  # children so far: an upper bound
+            self.done[name] = result
+            self.path.write_text(json.dumps(self.done, indent=1))
+        meta = {"stage_wall_s", "stage_peak_rss_gb", "note"}
+        return {k: v for k, v in self.done[name].items() if k not in meta}
 
 
 def main() -> None:
