@@ -92,7 +92,7 @@ def test_auto_on_native_hardware_times_the_model_and_keeps_the_faster(  # type: 
         assert chosen.line() == f"precision: bf16 autocast (CPU has AMX; {timed})"
     else:
         assert chosen.line() == (
-            f"precision: fp32 (CPU has AMX, but bf16 is no faster on this model; {timed})"
+            f"precision: fp32 (CPU has AMX, but bf16 is not clearly faster on this model; {timed})"
         )
 
 
