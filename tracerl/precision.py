@@ -135,7 +135,7 @@ def choose_precision(
     setting: Bf16Setting, device: str = "cpu", probe: Probe | None = None
 ) -> Precision:
     """The precision `setting` means on `device` (warns when bf16 is forced but emulated).
-    With `probe` (see `model_probe`), `auto` on native hardware times the model in both
+    With `probe` (see `probe_pass`), `auto` on native hardware times the training step in both
     precisions and keeps bf16 only when it is clearly faster."""
     native, hardware = native_bf16(device)
     bf16 = native if setting == "auto" else bool(setting)
