@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import json
 import logging
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -31,10 +31,13 @@ from tracerl.gateway.chat import ChatRequest, wire_message
 from tracerl.gateway.core import Gateway
 from tracerl.gateway.errors import GatewayError, invalid
 from tracerl.gateway.served import Choice, Pending, Served
+from tracerl.gateway.sessions import attributed
 from tracerl.gateway.streaming import Thought, sse, stream_call
 from tracerl.gateway.wire import (
     MODEL_CALL_DOC,
     REPLY_DOC,
+    Handler,
+    add_call_route,
     json_response,
     parent_of,
     read_json,
@@ -111,13 +114,9 @@ def register_messages(app: FastAPI, gateway: Gateway) -> None:
     doc: dict[str, Any] = {"openapi_extra": body_doc(TypeAdapter(MessagesRequest)),
            "responses": {**REPLY_DOC, **MODEL_CALL_DOC}}  # fmt: skip
     for prefix in ("", "/rollouts/{rollout_id}"):
-        app.add_api_route(f"{prefix}/v1/messages", _shaped(create), methods=["POST"], **doc)
-        app.add_api_route(
-            f"{prefix}/v1/messages/count_tokens", _shaped(count_tokens), methods=["POST"], **doc
-        )
-
-
-Handler = Callable[..., Awaitable[Response]]
+        served = attributed(create, gateway.store, gateway.sessions)
+        add_call_route(app, f"{prefix}/v1/messages", _shaped(served), **doc)
+        add_call_route(app, f"{prefix}/v1/messages/count_tokens", _shaped(count_tokens), **doc)
 
 
 def _shaped(handler: Handler) -> Handler:
@@ -125,7 +124,7 @@ def _shaped(handler: Handler) -> Handler:
 
     async def shaped(request: Request, rollout_id: str | None = None) -> Response:
         try:
-            return await handler(request, rollout_id)
+            return await handler(request, rollout_id=rollout_id)
         except GatewayError as e:
             return json_response(error_body(e), e.status)
         except Exception as e:  # a traceback never reaches the client

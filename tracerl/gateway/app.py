@@ -15,7 +15,7 @@ from collections.abc import AsyncIterator, Collection
 from typing import Any
 
 import orjson
-from fastapi import Depends, FastAPI, Request
+from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import Response, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError, model_validator
@@ -27,13 +27,14 @@ from tracerl.gateway.anthropic import register_messages
 from tracerl.gateway.chat import ChatRequest, CompletionRequest, wire_message
 from tracerl.gateway.core import Choice, Gateway, GatewayError, Served, decode, invalid
 from tracerl.gateway.responses import register_responses
-from tracerl.gateway.sessions import attribute
+from tracerl.gateway.sessions import attributed
 from tracerl.gateway.streaming import chat_events, completion_events
 from tracerl.gateway.wire import (  # noqa: F401  ROLLOUT_HEADER is re-exported
     MODEL_CALL_DOC,
     PARENT_HEADER,
     REPLY_DOC,
     ROLLOUT_HEADER,
+    add_call_route,
     read_json,
     rollout_of,
 )
@@ -125,9 +126,6 @@ def create_app(
         title="tracerl gateway",
         docs_url=None,
         redoc_url=None,
-        # Attribution runs after the keys' check (a middleware): a refused caller never
-        # opens a session.
-        dependencies=[Depends(attribute(gateway.store, gateway.sessions))],
         responses=errors_doc(401, 403, 408, 413, 415),
     )
     guard_app(app, keys, limits, gateway.store, gateway.store_executor, hosts)
@@ -193,12 +191,12 @@ def create_app(
         return _json({"ok": True, "models": gateway.names})
 
     for prefix in ("", "/rollouts/{rollout_id}"):
-        app.add_api_route(
-            f"{prefix}/v1/chat/completions", chat, methods=["POST"], **_ROUTES["chat"]
-        )
-        app.add_api_route(
-            f"{prefix}/v1/completions", complete, methods=["POST"], **_ROUTES["complete"]
-        )
+        for path, endpoint, doc in (
+            ("chat/completions", chat, _ROUTES["chat"]),
+            ("completions", complete, _ROUTES["complete"]),
+        ):
+            served = attributed(endpoint, gateway.store, gateway.sessions)
+            add_call_route(app, f"{prefix}/v1/{path}", served, **doc)
         app.add_api_route(f"{prefix}/v1/models", models, methods=["GET"], **_ROUTES["models"])
     register_responses(app, gateway)
     register_messages(app, gateway)

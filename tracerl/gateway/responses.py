@@ -31,9 +31,11 @@ from tracerl.gateway.core import Gateway
 from tracerl.gateway.errors import GatewayError, invalid
 from tracerl.gateway.responses_out import Keep, body, events, output
 from tracerl.gateway.served import Served
+from tracerl.gateway.sessions import attributed
 from tracerl.gateway.wire import (
     MODEL_CALL_DOC,
     REPLY_DOC,
+    add_call_route,
     json_response,
     parent_of,
     read_json,
@@ -133,7 +135,8 @@ def register_responses(app: FastAPI, gateway: Gateway) -> None:
             "responses": {**REPLY_DOC, **MODEL_CALL_DOC}}  # fmt: skip
     get: dict[str, Any] = {"responses": {200: REPLY_DOC[200], **errors_doc(404)}}
     for prefix in ("", "/rollouts/{rollout_id}"):
-        app.add_api_route(f"{prefix}/v1/responses", create, methods=["POST"], **post)
+        served = attributed(create, gateway.store, gateway.sessions)
+        add_call_route(app, f"{prefix}/v1/responses", served, **post)
         app.add_api_route(
             f"{prefix}/v1/responses/{{response_id}}", retrieve, methods=["GET"], **get
         )

@@ -35,14 +35,15 @@ from typing import Any, Literal, TypeVar
 
 import orjson
 from fastapi import Request
+from fastapi.responses import Response
 
 from tracerl.auth import key_of
 from tracerl.gateway.errors import GatewayError
-from tracerl.gateway.wire import ROLLOUT_HEADER
+from tracerl.gateway.wire import ROLLOUT_HEADER, Handler
 from tracerl.store import InvalidTransition, LeaseLost, NotFound, Store
 from tracerl.types import Rollout, RolloutStatus
 
-__all__ = ["CLIENT_SESSION_HEADERS", "SESSION_HEADER", "Sessions", "attribute", "session_key"]
+__all__ = ["CLIENT_SESSION_HEADERS", "SESSION_HEADER", "Sessions", "attributed", "session_key"]
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -193,30 +194,38 @@ class Sessions:
         self._open.clear()
 
 
-def attribute(store: Store | None, sessions: Sessions | None) -> Callable:
-    """An app dependency: a plain /v1 model call without X-Tracerl-Rollout is given its
-    session's running rollout (request.state.rollout), or, without sessions, a refusal
-    (request.state.refusal) that the route raises in its own API's error shape."""
+def attributed(endpoint: Handler, store: Store | None, sessions: Sessions | None) -> Handler:
+    """`endpoint`, a model call's, with the call attributed first: a plain /v1 call without
+    X-Tracerl-Rollout is given its session's running rollout (request.state.rollout), or,
+    without sessions, a refusal (request.state.refusal) that the route raises in its own
+    API's error shape. It runs after the app's middlewares, the keys' check among them: a
+    refused caller never opens a session."""
 
-    async def attribute_call(request: Request) -> None:
-        if request.method != "POST" or not MODEL_CALLS.fullmatch(request.url.path):
-            return
-        if store is None or request.headers.get(ROLLOUT_HEADER):
-            return
-        if sessions is None:
-            request.state.refusal = GatewayError(
-                400,
-                "this gateway records rollouts only: send the header X-Tracerl-Rollout: <id>, "
-                "or call /rollouts/<id>/v1",
-                param=ROLLOUT_HEADER,
-                code="rollout_required",
-            )
-            return
-        try:
-            body = orjson.loads(await request.body())
-        except orjson.JSONDecodeError:
-            body = None  # the route answers that with its own 400
-        key = session_key(request.headers, body, key_of(request))
-        request.state.rollout = await sessions.rollout(key)
+    @functools.wraps(endpoint)  # the signature FastAPI documents the route by
+    async def call(request: Request, **path: str) -> Response:
+        await _attribute(request, store, sessions)
+        return await endpoint(request, **path)
 
-    return attribute_call
+    return call
+
+
+async def _attribute(request: Request, store: Store | None, sessions: Sessions | None) -> None:
+    if request.method != "POST" or not MODEL_CALLS.fullmatch(request.url.path):
+        return
+    if store is None or request.headers.get(ROLLOUT_HEADER):
+        return
+    if sessions is None:
+        request.state.refusal = GatewayError(
+            400,
+            "this gateway records rollouts only: send the header X-Tracerl-Rollout: <id>, "
+            "or call /rollouts/<id>/v1",
+            param=ROLLOUT_HEADER,
+            code="rollout_required",
+        )
+        return
+    try:
+        body = orjson.loads(await request.body())
+    except orjson.JSONDecodeError:
+        body = None  # the route answers that with its own 400
+    key = session_key(request.headers, body, key_of(request))
+    request.state.rollout = await sessions.rollout(key)
