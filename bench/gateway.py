@@ -16,7 +16,9 @@ alike instead of biasing it.
 
 Last line: JSON with p50_overhead_ms and p99_overhead_ms (median over rounds of the gateway's
 minus the bare endpoint's sequential latency), req_per_s and bare_req_per_s (32 concurrent
-clients) and req_ratio (median of each round's gateway / bare throughput).
+clients), req_ratio (median of each round's gateway / bare throughput), and where the
+throughput goes: each server process's CPU time per call in the concurrent phase
+(gateway_cpu_ms, bare_cpu_ms; its threads together, read from the OS).
 """
 
 from __future__ import annotations
@@ -38,6 +40,7 @@ from typing import Any
 
 import httpx
 import orjson
+import psutil
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "examples" / "calculator"))
@@ -192,10 +195,25 @@ class Round:
     """Gateway calls per second, concurrent clients."""
     bare_rps: float
     """Bare calls per second, concurrent clients."""
+    gateway_cpu_ms: float
+    """The gateway process's CPU milliseconds per call, concurrent clients."""
+    bare_cpu_ms: float
+    """The bare server's CPU milliseconds per call, concurrent clients."""
+
+
+def cpu_s(proc: psutil.Process) -> float:
+    """CPU seconds the process has used so far (user and system, all its threads)."""
+    t = proc.cpu_times()
+    return t.user + t.system
 
 
 def measure_round(
-    i: int, urls: dict[str, str], pool: Any, args: argparse.Namespace, body: dict
+    i: int,
+    urls: dict[str, str],
+    procs: dict[str, psutil.Process],
+    pool: Any,
+    args: argparse.Namespace,
+    body: dict,
 ) -> Round:
     """Both servers, sequential then concurrent; which goes first alternates by round, so a
     load change on the machine biases neither (A B B A A B ...)."""
@@ -209,10 +227,15 @@ def measure_round(
     for kind in ("gateway", "bare") if i % 2 == 0 else ("bare", "gateway"):
         if kind == "gateway":
             out["gateway_seq"] = sequential(gurl, seq_rids, body)
+            used = cpu_s(procs[kind])
             out["gateway_rps"] = concurrent(pool, gurl, conc_rids, body, args.clients)
+            calls = 2 * len(conc_rids)
         else:
             out["bare_seq"] = _bare_seq(burl, seq, bare_body)
+            used = cpu_s(procs[kind])
             out["bare_rps"] = _bare_concurrent(pool, burl, conc, bare_body, args.clients)
+            calls = PROCS * (conc // PROCS)
+        out[f"{kind}_cpu_ms"] = (cpu_s(procs[kind]) - used) / calls * 1000
     return Round(**out)
 
 
@@ -231,6 +254,8 @@ def summary(rounds: list[Round]) -> dict[str, Any]:
         "req_ratio": med(lambda r: r.gateway_rps / r.bare_rps),
         "gateway_p50_ms": med(lambda r: pct(r.gateway_seq, 0.5)),
         "bare_p50_ms": med(lambda r: pct(r.bare_seq, 0.5)),
+        "gateway_cpu_ms": med(lambda r: r.gateway_cpu_ms),
+        "bare_cpu_ms": med(lambda r: r.bare_cpu_ms),
         "rounds": len(rounds),
         "cpus": os.cpu_count(),
     }
@@ -273,19 +298,20 @@ def main() -> None:
         _bare_seq(urls["bare"], 100, {**body, "messages": FIRST})
         with multiprocessing.get_context("spawn").Pool(PROCS) as pool:
             pool.map(_run_bare_share, [(urls["bare"], 1, body, 1)] * PROCS)  # start them first
-            rounds = [measure_round(i, urls, pool, args, body) for i in range(args.rounds)]
+            procs = {kind: psutil.Process(p.pid) for kind, p in zip(urls, servers, strict=True)}
+            rounds = [measure_round(i, urls, procs, pool, args, body) for i in range(args.rounds)]
     finally:
         for server in servers:
             server.terminate()
             server.wait()
     out = summary(rounds)
-    print(
-        f"{'round':8}{'bare p50':>10}{'gw p50':>10}{'bare req/s':>12}{'gw req/s':>12}{'ratio':>8}"
-    )
+    head = f"{'round':8}{'bare p50':>10}{'gw p50':>10}{'bare req/s':>12}{'gw req/s':>12}"
+    print(f"{head}{'ratio':>8}{'bare cpu ms':>13}{'gw cpu ms':>11}")
     for i, r in enumerate(rounds):
         bp, gp = pct(r.bare_seq, 0.5), pct(r.gateway_seq, 0.5)
         ratio = r.gateway_rps / r.bare_rps
-        print(f"{i:<8}{bp:10.3f}{gp:10.3f}{r.bare_rps:12.0f}{r.gateway_rps:12.0f}{ratio:8.2f}")
+        line = f"{i:<8}{bp:10.3f}{gp:10.3f}{r.bare_rps:12.0f}{r.gateway_rps:12.0f}{ratio:8.2f}"
+        print(f"{line}{r.bare_cpu_ms:13.3f}{r.gateway_cpu_ms:11.3f}")
     print(json.dumps(out))
 
 

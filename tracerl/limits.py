@@ -64,21 +64,30 @@ class ClientGone(Exception):
 async def unless_disconnected(request: Request, work: Awaitable[T]) -> T:
     """Await `work`, cancelling it (and raising ClientGone) if the client disconnects first.
 
-    The body has been read by then, so the next ASGI message is the disconnect."""
-    job = asyncio.ensure_future(work)
+    The body has been read by then, so the next ASGI message is the disconnect. `work` runs
+    in the caller's own task: a watcher task cancels that task when the disconnect comes, so
+    a call costs one task, not two and an asyncio.wait (a hop of the event loop fewer on
+    every call). The cancellation reaches the engine before ClientGone is raised."""
+    task = asyncio.current_task()
+    assert task is not None
+    answered = False
+
+    def left(watcher: asyncio.Future[None]) -> None:
+        if not answered and not watcher.cancelled() and watcher.exception() is None:
+            task.cancel()
+
     gone = asyncio.ensure_future(_disconnect(request))
+    gone.add_done_callback(left)
     try:
-        done, _ = await asyncio.wait({job, gone}, return_when=asyncio.FIRST_COMPLETED)
+        return await work
     except asyncio.CancelledError:
-        job.cancel()
-        gone.cancel()
+        client_left = gone.done() and not gone.cancelled() and gone.exception() is None
+        if client_left and task.uncancel() == 0:  # nobody else asked this task to stop
+            raise ClientGone() from None
         raise
-    gone.cancel()
-    if job in done:
-        return job.result()
-    job.cancel()
-    await asyncio.wait({job})  # let the cancellation reach the engine before answering
-    raise ClientGone()
+    finally:
+        answered = True  # a disconnect noticed from now on cancels nothing
+        gone.cancel()
 
 
 async def _disconnect(request: Request) -> None:
