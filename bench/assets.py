@@ -1,10 +1,14 @@
 """Prompts and weights from the same traces: optimize a system prompt (an asset), then move
 it into the weights with a curriculum, against RL without it.
 
-The task is a format a small instruct model does not follow unasked: "What is a + b?",
-rewarded 1 only for a reply that is the number alone (a trailing period allowed). The
-agent, unchanged throughout, sends the question with no system message of its own; the
-gateway adds the asset's text.
+The task is a convention a small instruct model cannot guess: "Classify this review: The
+food was great.", rewarded 1 only for a reply that names the right tag, POS or NEG, and not
+the other. The agent, unchanged throughout, sends the review with no system message of its
+own; the gateway adds the asset's text, and only the asset can say what the tags are.
+SmolLM2-135M-Instruct (temperature 0.7, 80 reviews, measured): no prompt 0%; the seed below
+7.5%; the seed with two worked examples of the kind the bootstrap proposer writes 42%. It
+does not follow "answer with one word" (0% whatever the prompt), nor add reliably (an
+earlier version of this bench asked for a + b alone: 0% in every arm).
 
 1. Held-out success without the asset (success_none) and with the hand-written seed
    (success_seed), paired.
@@ -24,6 +28,8 @@ repairs, regressions, p_value, rounds, proposer, success_internalized_zero_shot,
 success_rl_no_curriculum (and accepted, the texts, timings).
 
 Usage: python bench/assets.py [--model DIR] [--device cuda] [--steps 20] [--proposer llm]
+The default proposer is `bootstrap` (worked examples from successful traces): the served 135M
+policy, asked to revise a prompt, writes incoherent text.
 Default model: SmolLM2-135M-Instruct (`tracerl models get smollm2-135m-instruct` builds it
 into $TRACERL_HOME/models/). Any local HF model dir works, the tests' tiny ones included
 (`--model DIR --lr 3e-4 --steps 2 --train_tasks 16 --eval_tasks 16 --rounds 1`).
@@ -34,6 +40,7 @@ from __future__ import annotations
 import argparse
 import json
 import random
+import re
 import shutil
 import time
 from pathlib import Path
@@ -61,27 +68,37 @@ from tracerl.types import Task  # noqa: E402
 
 NAME = "format"
 """The asset's name."""
-SEED_TEXT = "You are a helpful assistant. Answer the question."
-"""The hand-written seed: polite, and silent on the format the reward wants."""
+SEED_TEXT = "You classify reviews. Answer with POS or NEG."
+"""The hand-written seed: it names the tags, and shows nothing."""
 MODEL = "smollm2-135m-instruct"
 """The default model's catalogue name."""
 
 
+POSITIVE = ["great", "wonderful", "delicious", "amazing", "excellent", "lovely", "fantastic",
+            "superb", "charming", "perfect"]  # fmt: skip
+NEGATIVE = ["terrible", "awful", "disgusting", "horrible", "bad", "dreadful", "boring", "dirty",
+            "rude", "broken"]  # fmt: skip
+THINGS = ["food", "movie", "hotel room", "service", "book", "concert", "coffee", "game", "staff",
+          "view", "music", "pizza"]  # fmt: skip
+
+
 def make_tasks(n: int, split: str, offset: int, seed: int = 0) -> list[Task]:
-    """n additions of two numbers in 1..30, distinct across splits (by `offset` into one
-    seeded order of all pairs)."""
-    pairs = [(a, b) for a in range(1, 31) for b in range(1, 31)]
-    random.Random(seed).shuffle(pairs)
-    chosen = pairs[offset : offset + n]
+    """n one-line reviews ("The food was great."), distinct across splits (by `offset` into
+    one seeded order of every thing and word), each answered by its tag, POS or NEG."""
+    words = [(w, "POS") for w in POSITIVE] + [(w, "NEG") for w in NEGATIVE]
+    reviews = [(f"The {thing} was {w}.", tag) for thing in THINGS for w, tag in words]
+    random.Random(seed).shuffle(reviews)
+    chosen = reviews[offset : offset + n]
+    if len(chosen) < n:
+        raise SystemExit(f"only {len(reviews)} reviews: ask for fewer tasks")
     return [
-        Task(id=f"{split}-{a}+{b}", input={"a": a, "b": b}, answer=a + b, split=split)
-        for a, b in chosen
+        Task(id=f"{split}-{i}", input={"review": review}, answer=tag, split=split)
+        for i, (review, tag) in enumerate(chosen)
     ]
 
 
 async def agent(task: Task, base_url: str, api_key: str, model: str) -> AgentResult:
-    """The unchanged agent: the question alone, no system message, one call."""
-    a, b = task.input["a"], task.input["b"]
+    """The unchanged agent: the review alone, no system message, one call."""
     async with httpx.AsyncClient(timeout=300) as http:
         resp = await http.post(
             f"{base_url}/chat/completions",
@@ -90,7 +107,9 @@ async def agent(task: Task, base_url: str, api_key: str, model: str) -> AgentRes
                 "model": model,
                 "max_tokens": 16,
                 "temperature": 0.7,
-                "messages": [{"role": "user", "content": f"What is {a} + {b}?"}],
+                "messages": [
+                    {"role": "user", "content": f"Classify this review: {task.input['review']}"}
+                ],
             },  # fmt: skip
         )
     resp.raise_for_status()
@@ -98,8 +117,14 @@ async def agent(task: Task, base_url: str, api_key: str, model: str) -> AgentRes
 
 
 def reward(task: dict, answer: str) -> float:
-    """1 for the number alone (a trailing period allowed), else 0."""
-    return float(answer.strip().removesuffix(".").strip() == str(task["answer"]))
+    """1 for a reply naming the right tag and not the other (as words), else 0."""
+    right = str(task["answer"])
+    wrong = "NEG" if right == "POS" else "POS"
+    return float(_names(answer, right) and not _names(answer, wrong))
+
+
+def _names(text: str, tag: str) -> bool:
+    return re.search(rf"\b{tag}\b", text) is not None
 
 
 def default_model() -> Path:
@@ -196,7 +221,7 @@ def main() -> None:
     p.add_argument("--runs", type=Path, default=Path("runs/bench-assets"))
     p.add_argument("--train_tasks", type=int, default=64)
     p.add_argument("--eval_tasks", type=int, default=64)
-    p.add_argument("--proposer", default="llm", choices=["llm", "bootstrap"])
+    p.add_argument("--proposer", default="bootstrap", choices=["llm", "bootstrap"])
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--candidates", type=int, default=3)
     p.add_argument("--cases", type=int, default=3, help="failures shown to the proposer")

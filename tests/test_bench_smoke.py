@@ -144,7 +144,7 @@ def test_assets_bench_runs_end_to_end_on_a_tiny_model(tiny_model_dir: Path, tmp_
         sys.executable, str(ROOT / "bench" / "assets.py"), "--model", str(tiny_model_dir),
         "--lr", "3e-4", "--steps", "2", "--train_tasks", "8", "--eval_tasks", "8",
         "--rounds", "1", "--candidates", "2", "--tasks_per_step", "2", "--group_size", "2",
-        "--concurrency", "4", "--runs", str(tmp_path / "runs"),
+        "--concurrency", "4", "--runs", str(tmp_path / "runs"), "--proposer", "llm",
     ]  # fmt: skip
     out = subprocess.run(args, capture_output=True, text=True, timeout=600, env=os.environ)
     assert out.returncode == 0, out.stderr[-3000:]
