@@ -58,8 +58,8 @@ class CallRoute(APIRoute):
     """A model call's route: documented by FastAPI like any other, but served without
     FastAPI's per-request parameter solving. Its endpoint is called with the request and
     the path's parameters, and reads and validates its body itself (read_json, then
-    pydantic), as every model call's endpoint does. On the gateway's event loop that solving
-    cost about a tenth of a call's time (bench/gateway.py under py-spy)."""
+    pydantic), as every model call's endpoint does. That solving took about 7% of the
+    gateway's event loop under bench/gateway.py's load (py-spy)."""
 
     def get_route_handler(self) -> Callable[[Request], Coroutine[Any, Any, Response]]:
         endpoint = self.endpoint
