@@ -29,7 +29,8 @@ success_rl_no_curriculum (and accepted, the texts, timings).
 
 Usage: python bench/assets.py [--model DIR] [--device cuda] [--steps 20] [--proposer llm]
 The default proposer is `bootstrap` (worked examples from successful traces): the served 135M
-policy, asked to revise a prompt, writes incoherent text.
+policy, asked to revise a prompt, writes incoherent text. On a 2-core AVX2 CPU the prompt
+stages take about 15 min, and each training step about 5 min (full fine-tuning in fp32).
 Default model: SmolLM2-135M-Instruct (`tracerl models get smollm2-135m-instruct` builds it
 into $TRACERL_HOME/models/). Any local HF model dir works, the tests' tiny ones included
 (`--model DIR --lr 3e-4 --steps 2 --train_tasks 16 --eval_tasks 16 --rounds 1`).
