@@ -26,7 +26,6 @@ import contextlib
 import functools
 import hashlib
 import logging
-import re
 import time
 from collections.abc import Callable, Mapping
 from concurrent.futures import Executor
@@ -58,8 +57,6 @@ CLIENT_SESSION_HEADERS = (
     "conversation_id",
 )
 """Session headers clients send of their own accord, tried in this order."""
-MODEL_CALLS = re.compile(r"/v1/(chat/completions|completions|responses|messages)")
-"""The plain routes whose calls are recorded (count_tokens and GETs record nothing)."""
 
 RENEW_S = 1.0
 """A session's lease is renewed by its first call after this many seconds, not by every
@@ -203,15 +200,14 @@ def attributed(endpoint: Handler, store: Store | None, sessions: Sessions | None
 
     @functools.wraps(endpoint)  # the signature FastAPI documents the route by
     async def call(request: Request, **path: str) -> Response:
-        await _attribute(request, store, sessions)
+        if not path.get("rollout_id"):  # /rollouts/<id>/v1/...: the path names the rollout
+            await _attribute(request, store, sessions)
         return await endpoint(request, **path)
 
     return call
 
 
 async def _attribute(request: Request, store: Store | None, sessions: Sessions | None) -> None:
-    if request.method != "POST" or not MODEL_CALLS.fullmatch(request.url.path):
-        return
     if store is None or request.headers.get(ROLLOUT_HEADER):
         return
     if sessions is None:
