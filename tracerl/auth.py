@@ -24,6 +24,7 @@ everything is open, as on a laptop; `tracerl serve` refuses to listen beyond loo
 from __future__ import annotations
 
 import asyncio
+import functools
 import hashlib
 import hmac
 import ipaddress
@@ -181,6 +182,7 @@ def _runner_pairs(text: str) -> dict[str, str]:
     return pairs
 
 
+@functools.lru_cache(maxsize=256)  # asked of every request's Host header
 def is_loopback(host: str) -> bool:
     """True when `host` is reachable from this machine only."""
     if host == "localhost":

@@ -24,6 +24,7 @@ in the API's JSON error shape, and it takes a list of names where loopback is a 
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Collection
 from concurrent.futures import Executor
 from urllib.parse import urlsplit
@@ -65,7 +66,7 @@ class DoorsMiddleware:
 
     def __init__(self, app: ASGIApp, hosts: Collection[str] | None = ()) -> None:
         self.app = app
-        self.hosts = None if hosts is None else {h.lower().strip("[]") for h in hosts}
+        self.hosts = None if hosts is None else frozenset(h.lower().strip("[]") for h in hosts)
         """Host names served besides loopback ones; None: any name (keys are set)."""
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -82,7 +83,7 @@ class DoorsMiddleware:
         """Why the request is refused, or None."""
         headers = Headers(scope=scope)
         host = headers.get("host")
-        if host is not None and self.hosts is not None and not self._served(host):
+        if host is not None and self.hosts is not None and not _served(host, self.hosts):
             message = f"this server answers to loopback names only, not {host!r} (no keys set)"
             return Refusal(400, message, code="host_not_allowed")
         origin = headers.get("origin")
@@ -95,9 +96,12 @@ class DoorsMiddleware:
             return Refusal(415, message, code="unsupported_media_type")
         return None
 
-    def _served(self, host: str) -> bool:
-        name = host_name(host)
-        return name is not None and (is_loopback(name) or name in (self.hosts or ()))
+
+@functools.lru_cache(maxsize=256)  # asked of every request: its Host header, parsed once
+def _served(host: str, names: frozenset[str] | None) -> bool:
+    """Whether a Host header names this server: a loopback name, or one of `names`."""
+    name = host_name(host)
+    return name is not None and (is_loopback(name) or name in (names or ()))
 
 
 def host_name(host: str) -> str | None:

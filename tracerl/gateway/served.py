@@ -187,6 +187,11 @@ class Served:
 
 def decode(tokenizer: PreTrainedTokenizerBase, ids: list[int], skip_special: bool) -> str:
     """Text of ids (the tokenizer's stubs allow a list; one sequence gives a string)."""
+    fast = getattr(tokenizer, "backend_tokenizer", None)
+    if fast is not None and not getattr(tokenizer, "clean_up_tokenization_spaces", True):
+        # The Rust tokenizer directly: what decode does when there is nothing to clean up,
+        # without its Python-side wrapping (once per call and choice).
+        return str(fast.decode(ids, skip_special_tokens=skip_special))
     text = tokenizer.decode(ids, skip_special_tokens=skip_special)
     assert isinstance(text, str)
     return text
