@@ -12,9 +12,11 @@ is recorded on the span.
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any
 
+import orjson
 from transformers import PreTrainedTokenizerBase
 
 from tracerl.gateway.chat import Message, same_turn
@@ -24,6 +26,11 @@ from tracerl.gateway.tool_rendering import (
     probe_rendering,
     uses_tools,
 )
+
+OPENINGS = 256
+"""First calls whose prompt ids PromptBuilder keeps (a few groups' worth of tasks)."""
+OPENING_BYTES = 64 * 1024
+"""The largest first call (messages and tools as JSON) whose ids are kept."""
 
 
 @dataclass
@@ -128,6 +135,12 @@ class PromptBuilder:
         }
         self.tool_rendering: ToolRendering = probe_rendering(self._render)
         """How tools reach this template's prompts (tool_rendering.py)."""
+        template = tokenizer.chat_template
+        # A template that reads the clock (Llama 3's "Today Date") renders a request anew.
+        self._openings: OrderedDict[bytes, list[int]] | None = (
+            OrderedDict() if isinstance(template, str) and "strftime_now" not in template else None
+        )
+        """The ids of the latest first calls, by request (`opening`)."""
 
     def render(self, messages: list[Message], tools: list[dict] | None, gen: bool) -> str:
         """The chat template's text for messages (with the assistant header when gen); for a
@@ -152,6 +165,22 @@ class PromptBuilder:
         )
         assert isinstance(text, str)
         return text
+
+    def opening(self, messages: list[Message], tools: list[dict] | None) -> list[int]:
+        """Prompt ids of a call that extends nothing. The rollouts of a group open with the
+        same request (one task, group_size times; a paired comparison's arms too), so the
+        last OPENINGS requests' ids are kept: a repeat costs a JSON dump, not a render and
+        a tokenization (together most of a short call's work in the gateway)."""
+        key = _opening_key(messages, tools) if self._openings is not None else None
+        if key is None or self._openings is None:
+            return self.encode(self.render(messages, tools, gen=True))
+        ids = self._openings.pop(key, None)
+        if ids is None:
+            ids = self.encode(self.render(messages, tools, gen=True))
+        self._openings[key] = ids
+        if len(self._openings) > OPENINGS:
+            self._openings.popitem(last=False)
+        return list(ids)  # the caller's own: a prompt's ids are extended in place later
 
     def encode(self, text: str, special: bool = False, before: int = 0) -> list[int]:
         """Ids of text. A rendered template already holds every special token it needs;
@@ -181,10 +210,10 @@ class PromptBuilder:
         self, messages: list[Message], tools: list[dict] | None, prev: History | None
     ) -> Prompt:
         """Prompt ids for a request, extending `prev` when the request extends it."""
-        full = self.render(messages, tools, gen=True)
         rendering = self.tool_rendering if uses_tools(messages, tools) else None
         if prev is None:
-            return Prompt(ids=self.encode(full), tool_rendering=rendering)
+            return Prompt(ids=self.opening(messages, tools), tool_rendering=rendering)
+        full = self.render(messages, tools, gen=True)
         turn, reason = match_turn(messages, tools, prev)
         if turn is None:
             return Prompt(ids=self.encode(full), prefix_break=reason, tool_rendering=rendering)
@@ -203,6 +232,16 @@ class PromptBuilder:
         head = turn.ids if turn.end == "eos" else [*turn.ids, self.eos_id]
         ids = head + self.encode(suffix, before=len(head))
         return Prompt(ids=ids, reused=len(turn.ids), tool_rendering=rendering)
+
+
+def _opening_key(messages: list[Message], tools: list[dict] | None) -> bytes | None:
+    """A first call's request as bytes, or None when it is not worth keeping (too large:
+    a repeat of it is rare and its key would hold memory; not JSON)."""
+    try:
+        key = orjson.dumps([messages, tools])
+    except TypeError:
+        return None
+    return key if len(key) <= OPENING_BYTES else None
 
 
 def match_turn(
