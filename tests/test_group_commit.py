@@ -1,17 +1,19 @@
-"""The gateway's fast paths to a local store: spans written by the span writer in groups
-(one transaction for the calls that arrive together), each call still refused or recorded
-on its own, durably before it is answered, in order per attempt; and the rollout lookup
-read at once on the loop, through a second connection that sees every commit."""
+"""The gateway's fast paths to a local store: spans written by the loop itself when nothing
+waits, else by the span writer's thread in groups (one transaction for the calls that
+arrive together), each call still refused or recorded on its own, durably before it is
+answered, in order per attempt; and the rollout lookup read at once on the loop, through a
+second connection that sees every commit."""
 
 from __future__ import annotations
 
 import asyncio
+import sqlite3
 import time
 from pathlib import Path
 
 import pytest
 
-from tracerl.gateway.writer import SpanWriter
+from tracerl.gateway.writer import CHECKPOINT_EVERY, SpanWriter
 from tracerl.store import LeaseLost, StoreError
 from tracerl.store.sqlite import SqliteStore
 from tracerl.types import Rollout, RolloutStatus, Span, Task
@@ -96,3 +98,64 @@ def test_the_loop_read_sees_every_commit_and_never_waits(tmp_path: Path) -> None
     store.close()
     with pytest.raises(StoreError, match="closed"):
         store.rollout_now(r.id)
+
+
+def test_the_loop_append_never_waits_and_says_when_it_cannot(tmp_path: Path) -> None:
+    path = tmp_path / "s.db"
+    store = SqliteStore(path)
+    live, ended = _running(store, 2)
+    assert store.append_now(_call(live, "a")) == [0]
+    other = sqlite3.connect(path, isolation_level=None)
+    other.execute("BEGIN IMMEDIATE")  # another process is writing: no wait, None at once
+    started = time.perf_counter()
+    assert store.append_now(_call(live, "b")) is None
+    assert time.perf_counter() - started < 1.0
+    other.execute("COMMIT")
+    assert store.append_now(_call(live, "b")) == [1]
+    store.finish(ended.id, ended.attempt, RolloutStatus.failed)
+    with pytest.raises(LeaseLost):
+        store.append_now(_call(ended, "late"))
+    assert SqliteStore(":memory:").append_now(_call(live, "c")) is None
+    assert [s.id for s in SqliteStore(path).spans(live.id)] == [f"{live.id}-{n}" for n in "ab"]
+
+
+def test_writes_the_loop_cannot_make_go_to_the_thread_in_order(tmp_path: Path) -> None:
+    """While another process writes, calls queue for the writer thread (grouped); once it
+    is done, the loop writes inline again, and the seqs follow arrival throughout."""
+    path = tmp_path / "s.db"
+    store = SqliteStore(path)
+    (live,) = _running(store, 1)
+    writer = SpanWriter(store)
+    other = sqlite3.connect(path, isolation_level=None)
+
+    async def calls() -> list[list[int] | BaseException]:
+        first = await writer.append(_call(live, "c0"))  # inline
+        other.execute("BEGIN IMMEDIATE")
+        queued = [asyncio.ensure_future(writer.append(_call(live, f"c{i}"))) for i in (1, 2, 3)]
+        await asyncio.sleep(0.2)
+        assert not any(q.done() for q in queued)  # waiting for the file, on the thread
+        other.execute("COMMIT")
+        rest = await asyncio.gather(*queued)
+        return [first, *rest, await writer.append(_call(live, "c4"))]
+
+    assert asyncio.run(calls()) == [[i] for i in range(5)]
+    writer.close()
+    assert [s.id for s in SqliteStore(path).spans(live.id)] == [f"{live.id}-c{i}" for i in range(5)]
+
+
+def test_inline_writes_are_checkpointed_by_the_thread(tmp_path: Path) -> None:
+    """The loop's connection never checkpoints; the thread moves its pages into the file."""
+    path = tmp_path / "s.db"
+    store = SqliteStore(path)
+    (live,) = _running(store, 1)
+    writer = SpanWriter(store)
+    before = path.stat().st_size
+
+    async def calls() -> None:
+        for i in range(CHECKPOINT_EVERY):
+            await writer.append(_call(live, f"c{i}"))
+
+    asyncio.run(calls())
+    writer.close()  # the thread has done the checkpoint asked for by then
+    written = sum(len(s.model_dump_json()) for s in store.spans(live.id))
+    assert path.stat().st_size - before > written // 2  # the spans are in the file itself

@@ -236,6 +236,16 @@ class LocalStore(Protocol):
         once they are committed; an error of the transaction itself (the disk) is raised."""
         ...
 
+    def append_now(self, spans: list[Span]) -> list[int] | None:
+        """`append_spans` at once, waiting on no lock and no other writer (cheap enough for
+        an event loop): the seqs, once committed; None when that cannot be done this instant
+        (then append_groups, on a thread). It leaves the WAL to `checkpoint`."""
+        ...
+
+    def checkpoint(self) -> None:
+        """Move what append_now wrote from the write-ahead log into the database file."""
+        ...
+
 
 def connect(target: str | Path = ":memory:") -> Store:
     """A StoreClient for an http(s):// URL, else a SqliteStore on that path."""

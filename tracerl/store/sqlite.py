@@ -103,9 +103,10 @@ class SqliteStore(SqlAssets):
         # Reentrant so that a nested _tx fails loudly in SQLite instead of deadlocking.
         self._lock = threading.RLock()
         self._closed = False
-        self._reader: sqlite3.Connection | None = None
-        """rollout_now's connection, opened on its first call (under _reader_lock)."""
-        self._reader_lock = threading.Lock()
+        self._now: sqlite3.Connection | None = None
+        """The connection of rollout_now and append_now (calls that never wait), opened on
+        the first of them (under _now_lock)."""
+        self._now_lock = threading.Lock()
         self._db.execute("PRAGMA busy_timeout = 10000")  # another process may hold the file
         self._db.execute("PRAGMA journal_mode = WAL")
         # NORMAL under WAL: a committed write survives a process crash, not a power cut.
@@ -247,27 +248,67 @@ class SqliteStore(SqlAssets):
         """LocalStore.rollout_now: read on a second connection of its own, which under WAL
         sees the last commit without waiting for a writer; it never waits (busy_timeout 0,
         its lock only tried), and an in-memory store has no second connection: None."""
+        with self._now_db() as db:
+            if db is None:
+                return None
+            try:
+                return self._get(db, rollout_id)
+            except sqlite3.OperationalError as e:  # busy (a checkpoint, a recovery)
+                _raise_unless_busy(e)
+                return None
+
+    def append_now(self, spans: list[Span]) -> list[int] | None:
+        """LocalStore.append_now: append_spans on the second connection, whose BEGIN
+        IMMEDIATE fails at once (None) when another connection or process is writing. It
+        never checkpoints the WAL itself (a checkpoint syncs the disk): `checkpoint` does,
+        and so do this process's other writes."""
+        rows = [span_row(s) for s in spans]
+        with self._now_db() as db:
+            if db is None:
+                return None
+            try:
+                db.execute("BEGIN IMMEDIATE")
+            except sqlite3.OperationalError as e:
+                _raise_unless_busy(e)
+                return None
+            try:
+                seqs = self._append(db, spans, rows)
+                db.execute("COMMIT")
+            except BaseException:
+                if db.in_transaction:
+                    db.execute("ROLLBACK")
+                raise
+            return seqs
+
+    def checkpoint(self) -> None:
+        """LocalStore.checkpoint: copy the WAL's pages into the database file, without
+        waiting for readers (PASSIVE)."""
+        with self._read() as db:
+            db.execute("PRAGMA wal_checkpoint(PASSIVE)")
+
+    @contextmanager
+    def _now_db(self) -> Iterator[sqlite3.Connection | None]:
+        """The second connection, held by this thread alone; None when another thread holds
+        it or the store is in memory."""
         if self._closed:
             raise StoreError(f"the store {self.path} is closed")
-        if not self._reader_lock.acquire(blocking=False):
-            return None
+        if not self._now_lock.acquire(blocking=False):
+            yield None
+            return
         try:
-            reader = self._reader or self._open_reader()
-            if reader is None:
-                return None
-            return self._get(reader, rollout_id)
-        except sqlite3.OperationalError:  # busy (a checkpoint, a recovery): ask a thread
-            return None
+            yield self._now or self._open_now()
         finally:
-            self._reader_lock.release()
+            self._now_lock.release()
 
-    def _open_reader(self) -> sqlite3.Connection | None:
+    def _open_now(self) -> sqlite3.Connection | None:
         if self.path in ("", ":memory:"):
             return None
-        self._reader = sqlite3.connect(self.path, check_same_thread=False, isolation_level=None)
-        self._reader.execute("PRAGMA busy_timeout = 0")
-        self._reader.execute("PRAGMA query_only = ON")
-        return self._reader
+        self._now = sqlite3.connect(self.path, check_same_thread=False, isolation_level=None)
+        self._now.execute("PRAGMA busy_timeout = 0")
+        self._now.execute("PRAGMA synchronous = NORMAL")
+        self._now.execute("PRAGMA foreign_keys = ON")
+        self._now.execute("PRAGMA wal_autocheckpoint = 0")
+        return self._now
 
     def finish(
         self,
@@ -445,10 +486,16 @@ class SqliteStore(SqlAssets):
             if not self._closed:
                 self._closed = True
                 self._db.close()
-        with self._reader_lock:
-            if self._reader is not None:
-                self._reader.close()
-                self._reader = None
+        with self._now_lock:
+            if self._now is not None:
+                self._now.close()
+                self._now = None
+
+
+def _raise_unless_busy(e: sqlite3.OperationalError) -> None:
+    """Raise `e` unless it says the file is busy (then the caller tries on a thread)."""
+    if "locked" not in str(e) and "busy" not in str(e):
+        raise e
 
 
 if TYPE_CHECKING:  # mypy checks every signature against the Store protocols
