@@ -4,10 +4,11 @@ Two servers, each in its own process, answer the same chat completion with the s
 a bare FastAPI endpoint returning a canned response, and the tracerl gateway over a stub
 engine that returns fixed tokens instantly — so the difference is the gateway's own work:
 request validation, chat templating, tokenization, token-in/token-out bookkeeping, tool-call
-parsing and recording the span in a SQLite file store. Calls are made by httpx (a light
-client, so the client is not what is measured), sequentially and from 32 concurrent clients.
-Every gateway call belongs to a running rollout and every second call extends the first
-(tool result appended), as an agent's would.
+parsing and recording the span in a SQLite file store. Both get the same calls from the
+same httpx clients, sequentially and from 32 concurrent clients in 2 processes. Every call
+belongs to a rollout and every second call extends the first (tool result appended), as an
+agent's would; rollouts come in groups of GROUP that ask the same question, as a training
+run's do (the gateway keeps a first call's prompt ids, so 7 in 8 first calls are repeats).
 
 Both servers run side by side and are measured in alternating rounds (gateway then bare,
 then bare then gateway, ...), each round's numbers taken back to back, and the medians over
@@ -50,6 +51,8 @@ from agent import SYSTEM_PROMPT, TOOLS  # noqa: E402
 REPLY = '<tool_call>{"name": "calculator", "arguments": {"expression": "37+48"}}</tool_call>'
 PROCS = 2
 """Client processes for the concurrent phases."""
+GROUP = 8
+"""Rollouts that ask the same question (a GRPO group: the trainer's default group_size)."""
 FIRST = [
     {"role": "system", "content": SYSTEM_PROMPT},
     {"role": "user", "content": "What is 37+48?"},
@@ -85,6 +88,7 @@ def serve(kind: str, model: str, port: int, store_path: str) -> None:
         body = Path(store_path).read_bytes()  # a response the gateway produced, verbatim
 
         @app.post("/v1/chat/completions")
+        @app.post("/rollouts/{rollout_id}/v1/chat/completions")
         async def bare() -> Response:
             return Response(body, media_type="application/json")
 
@@ -107,43 +111,49 @@ def start(kind: str, model: Path, port: int, extra: Path) -> subprocess.Popen[by
     raise RuntimeError(f"{kind} server did not start")
 
 
-def second_turn(first_reply: dict) -> list[dict]:
+def first_turn(i: int) -> list[dict]:
+    """The i-th rollout's first request: the rollouts of a group of GROUP ask the same."""
+    a, b = 10 + (i // GROUP) % 80, 11 + (i // GROUP) // 80 % 80
+    return [FIRST[0], {"role": "user", "content": f"What is {a}+{b}?"}]
+
+
+def second_turn(i: int, first_reply: dict) -> list[dict]:
     msg = first_reply["choices"][0]["message"]
     call_id = msg["tool_calls"][0]["id"]
-    return [*FIRST, msg, {"role": "tool", "tool_call_id": call_id, "content": "85"}]
+    return [*first_turn(i), msg, {"role": "tool", "tool_call_id": call_id, "content": "85"}]
 
 
 def sequential(url: str, rollouts: list[str], bodies: dict) -> list[float]:
     """Latency of each call, one at a time (two calls per rollout)."""
     times = []
     with httpx.Client(timeout=30) as client:
-        for rid in rollouts:
-            path = (
-                f"{url}/rollouts/{rid}/v1/chat/completions" if rid else f"{url}/v1/chat/completions"
-            )
+        for i, rid in enumerate(rollouts):
+            path = f"{url}/rollouts/{rid}/v1/chat/completions"
             t0 = time.perf_counter()
-            first = client.post(path, json={**bodies, "messages": FIRST}).json()
+            first = client.post(path, json={**bodies, "messages": first_turn(i)}).json()
             times.append(time.perf_counter() - t0)
             t0 = time.perf_counter()
-            client.post(path, json={**bodies, "messages": second_turn(first)}).raise_for_status()
+            body = {**bodies, "messages": second_turn(i, first)}
+            client.post(path, json=body).raise_for_status()
             times.append(time.perf_counter() - t0)
     return times
 
 
 async def _client_share(url: str, rollouts: list[str], bodies: dict, clients: int) -> int:
     """One client process's share: `clients` concurrent callers over its rollouts."""
-    queue: asyncio.Queue[str] = asyncio.Queue()
-    for rid in rollouts:
-        queue.put_nowait(rid)
-    first_body = orjson.dumps({**bodies, "messages": FIRST})
+    queue: asyncio.Queue[tuple[int, str]] = asyncio.Queue()
+    for i, rid in enumerate(rollouts):
+        queue.put_nowait((i, rid))
     headers = {"content-type": "application/json"}
 
     async def worker(client: httpx.AsyncClient) -> int:
         done = 0
         while not queue.empty():
-            path = f"{url}/rollouts/{queue.get_nowait()}/v1/chat/completions"
-            reply = await client.post(path, content=first_body, headers=headers)
-            body = orjson.dumps({**bodies, "messages": second_turn(orjson.loads(reply.content))})
+            i, rid = queue.get_nowait()
+            path = f"{url}/rollouts/{rid}/v1/chat/completions"
+            body = orjson.dumps({**bodies, "messages": first_turn(i)})
+            reply = await client.post(path, content=body, headers=headers)
+            body = orjson.dumps({**bodies, "messages": second_turn(i, orjson.loads(reply.content))})
             (await client.post(path, content=body, headers=headers)).raise_for_status()
             done += 2
         return done
@@ -222,7 +232,10 @@ def measure_round(
     conc = args.concurrent_calls // args.rounds
     seq_rids = running_rollouts(gurl, seq // 2, f"s{i}")
     conc_rids = running_rollouts(gurl, conc // 2, f"c{i}")
-    bare_body = {**body, "messages": FIRST}
+    # The bare endpoint gets the same calls from the same clients (its rollout ids are names
+    # only): the client's work is the same on both sides, the servers' is what differs.
+    bare_seq = [f"bare-s{i}-{j}" for j in range(seq // 2)]
+    bare_conc = [f"bare-c{i}-{j}" for j in range(conc // 2)]
     out: dict[str, Any] = {}
     for kind in ("gateway", "bare") if i % 2 == 0 else ("bare", "gateway"):
         if kind == "gateway":
@@ -231,10 +244,10 @@ def measure_round(
             out["gateway_rps"] = concurrent(pool, gurl, conc_rids, body, args.clients)
             calls = 2 * len(conc_rids)
         else:
-            out["bare_seq"] = _bare_seq(burl, seq, bare_body)
+            out["bare_seq"] = sequential(burl, bare_seq, body)
             used = cpu_s(procs[kind])
-            out["bare_rps"] = _bare_concurrent(pool, burl, conc, bare_body, args.clients)
-            calls = PROCS * (conc // PROCS)
+            out["bare_rps"] = concurrent(pool, burl, bare_conc, body, args.clients)
+            calls = 2 * len(bare_conc)
         out[f"{kind}_cpu_ms"] = (cpu_s(procs[kind]) - used) / calls * 1000
     return Round(**out)
 
@@ -295,9 +308,9 @@ def main() -> None:
         servers.append(start("bare", model, bport, tmp / "canned.json"))
         urls["bare"] = f"http://127.0.0.1:{bport}"
         sequential(urls["gateway"], running_rollouts(urls["gateway"], 50, "warm"), body)
-        _bare_seq(urls["bare"], 100, {**body, "messages": FIRST})
+        sequential(urls["bare"], [f"warm-{i}" for i in range(50)], body)
         with multiprocessing.get_context("spawn").Pool(PROCS) as pool:
-            pool.map(_run_bare_share, [(urls["bare"], 1, body, 1)] * PROCS)  # start them first
+            pool.map(_run_share, [(urls["bare"], ["warm"], body, 1)] * PROCS)  # start them first
             procs = {kind: psutil.Process(p.pid) for kind, p in zip(urls, servers, strict=True)}
             rounds = [measure_round(i, urls, procs, pool, args, body) for i in range(args.rounds)]
     finally:
@@ -313,45 +326,6 @@ def main() -> None:
         line = f"{i:<8}{bp:10.3f}{gp:10.3f}{r.bare_rps:12.0f}{r.gateway_rps:12.0f}{ratio:8.2f}"
         print(f"{line}{r.bare_cpu_ms:13.3f}{r.gateway_cpu_ms:11.3f}")
     print(json.dumps(out))
-
-
-def _bare_seq(url: str, n: int, body: dict) -> list[float]:
-    times = []
-    with httpx.Client(timeout=30) as client:
-        for _ in range(n):
-            t0 = time.perf_counter()
-            client.post(f"{url}/v1/chat/completions", json=body).raise_for_status()
-            times.append(time.perf_counter() - t0)
-    return times
-
-
-async def _bare_share(url: str, n: int, body: dict, clients: int) -> int:
-    sem = asyncio.Semaphore(clients)
-    payload = orjson.dumps(body)
-    headers = {"content-type": "application/json"}
-    limits = httpx.Limits(max_connections=clients, max_keepalive_connections=clients)
-    async with httpx.AsyncClient(timeout=30, limits=limits) as client:
-
-        async def one() -> None:
-            async with sem:
-                r = await client.post(
-                    f"{url}/v1/chat/completions", content=payload, headers=headers
-                )
-                r.raise_for_status()
-
-        await asyncio.gather(*(one() for _ in range(n)))
-    return n
-
-
-def _run_bare_share(args: tuple[str, int, dict, int]) -> int:
-    return asyncio.run(_bare_share(*args))
-
-
-def _bare_concurrent(pool: Any, url: str, n: int, body: dict, clients: int) -> float:
-    shares = [(url, n // PROCS, body, clients // PROCS)] * PROCS
-    t0 = time.perf_counter()
-    done = sum(pool.map(_run_bare_share, shares))
-    return done / (time.perf_counter() - t0)
 
 
 if __name__ == "__main__":
