@@ -28,9 +28,13 @@ repairs, regressions, p_value, rounds, proposer, success_internalized_zero_shot,
 success_rl_no_curriculum (and accepted, the texts, timings).
 
 Usage: python bench/assets.py [--model DIR] [--device cuda] [--steps 20] [--proposer llm]
+       python bench/assets.py --reuse_prompt runs/bench-assets/prompt.json  # stage 3 only
 The default proposer is `bootstrap` (worked examples from successful traces): the served 135M
-policy, asked to revise a prompt, writes incoherent text. On a 2-core AVX2 CPU the prompt
-stages take about 15 min, and each training step about 5 min (full fine-tuning in fp32).
+policy, asked to revise a prompt, writes incoherent text. Stages 1-2 write their report to
+RUNS/prompt.json; `--reuse_prompt` trains from one without repeating them. Training uses a
+LoRA adapter (r 16, lr 1e-4) and vLLM when `make vllm` has built it. On a 2-core AVX2 CPU the
+prompt stages take about 15 min; a training step 100-160 s while rollouts carry the optimized
+asset (its worked examples make the prompt long), about 40 s without it.
 Default model: SmolLM2-135M-Instruct (`tracerl models get smollm2-135m-instruct` builds it
 into $TRACERL_HOME/models/). Any local HF model dir works, the tests' tiny ones included
 (`--model DIR --lr 3e-4 --steps 2 --train_tasks 16 --eval_tasks 16 --rounds 1`).
@@ -40,6 +44,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import random
 import re
 import shutil
@@ -65,6 +70,7 @@ from tracerl.pipeline.run import TrainSummary, train  # noqa: E402
 from tracerl.runner import RunnerConfig  # noqa: E402
 from tracerl.stack import start_stack  # noqa: E402
 from tracerl.store import Store  # noqa: E402
+from tracerl.store.open import open_store  # noqa: E402
 from tracerl.types import Task  # noqa: E402
 
 NAME = "format"
@@ -73,6 +79,7 @@ SEED_TEXT = "You classify reviews. Answer with POS or NEG."
 """The hand-written seed: it names the tags, and shows nothing."""
 MODEL = "smollm2-135m-instruct"
 """The default model's catalogue name."""
+ROOT = Path(__file__).resolve().parent.parent
 
 
 POSITIVE = ["great", "wonderful", "delicious", "amazing", "excellent", "lovely", "fantastic",
@@ -137,11 +144,17 @@ def default_model() -> Path:
     return path
 
 
+def engine_config(args: argparse.Namespace) -> EngineConfig:
+    """How every stage serves the policy (vLLM: its own venv, a small KV cache)."""
+    if args.engine == "vllm":
+        return EngineConfig(kind="vllm", python=args.vllm_python, kv_cache_gib=1.0)
+    return EngineConfig(device=args.device, kind=args.engine)
+
+
 def prompt_stage(args: argparse.Namespace, store_path: Path, train_tasks: list[Task],
                  held_out: list[Task]) -> dict[str, object]:  # fmt: skip
     """Stages 1 and 2 on one served model: none vs seed, then the optimization."""
-    engine = EngineConfig(device=args.device, kind=args.engine)
-    stack = start_stack(args.model, store_path, engine)
+    stack = start_stack(args.model, store_path, engine_config(args))
     try:
         store: Store = stack.store
         store.put_asset(NAME, SEED_TEXT, note="the hand-written seed")
@@ -193,12 +206,16 @@ def train_stage(args: argparse.Namespace, name: str, store_path: Path, curriculu
     if curriculum:
         steps = max(1, (3 * args.steps) // 4)
         assets = {"curriculum": {"name": NAME, "start": 1.0, "end": 0.0, "steps": steps}}
+    trainer: dict[str, object] = {"lr": args.lr, "warmup_steps": 0, "schedule": "constant",
+                                  "prefix_sharing": True}  # fmt: skip
+    if args.lora_r:
+        trainer["lora"] = {"r": args.lora_r}
     cfg = TrainConfig.model_validate({
         "name": name, "runs": str(args.runs), "model": str(args.model), "store": str(store_path),
-        "device": args.device, "engine": {"kind": args.engine},
+        "device": args.device, "engine": engine_config(args).model_dump(),
         "pipeline": {"steps": args.steps, "tasks_per_step": args.tasks_per_step,
                      "group_size": args.group_size, "eval_every": 0},
-        "trainer": {"lr": args.lr, "warmup_steps": 0, "schedule": "constant"},
+        "trainer": trainer,
         "runner": {"concurrency": args.concurrency, "timeout_s": 600},
         "guard": {"preflight": False, "keep_best": False},
         "assets": assets,
@@ -218,7 +235,14 @@ def main() -> None:
         help="local HF model dir (default: SmolLM2-135M-Instruct)",
     )
     p.add_argument("--device", default="cpu")
-    p.add_argument("--engine", default="hf", choices=["hf", "hf_server", "vllm"])
+    p.add_argument(
+        "--engine", default=None, choices=["hf", "hf_server", "vllm"],
+        help="default: vllm when --vllm_python exists (`make vllm`), else hf",
+    )  # fmt: skip
+    p.add_argument(
+        "--vllm_python",
+        default=os.environ.get("TRACERL_VLLM_PYTHON", str(ROOT / ".venv-vllm/bin/python")),
+    )
     p.add_argument("--runs", type=Path, default=Path("runs/bench-assets"))
     p.add_argument("--train_tasks", type=int, default=64)
     p.add_argument("--eval_tasks", type=int, default=64)
@@ -230,11 +254,25 @@ def main() -> None:
     p.add_argument("--tasks_per_step", type=int, default=8)
     p.add_argument("--group_size", type=int, default=8)
     p.add_argument(
-        "--lr", type=float, default=1e-5, help="1e-5 suits a pretrained model; 3e-4 the tiny one"
+        "--lora_r", type=int, default=16, help="the trainer's LoRA rank; 0: full fine-tuning"
+    )
+    p.add_argument(
+        "--lr", type=float, default=None,
+        help="default: 1e-4 with LoRA, 1e-5 in full (pretrained); the tiny model wants 3e-4",
+    )  # fmt: skip
+    p.add_argument(
+        "--reuse_prompt",
+        type=Path,
+        default=None,
+        help="a prompt.json of an earlier run: skip stages 1-2, train on its texts",
     )
     p.add_argument("--concurrency", type=int, default=16)
     args = p.parse_args()
     args.model = args.model or default_model()
+    if args.engine is None:
+        args.engine = "vllm" if Path(args.vllm_python).exists() else "hf"
+    if args.lr is None:
+        args.lr = 1e-4 if args.lora_r else 1e-5
     started = time.perf_counter()
     train_tasks = make_tasks(args.train_tasks, "train", 0)
     held_out = make_tasks(args.eval_tasks, "eval", args.train_tasks)
@@ -242,7 +280,14 @@ def main() -> None:
     args.runs.mkdir(parents=True)
     store_path = args.runs / "assets" / "traces.db"
     store_path.parent.mkdir(parents=True)
-    report = prompt_stage(args, store_path, train_tasks, held_out)
+    if args.reuse_prompt:
+        report = json.loads(args.reuse_prompt.read_text())
+        store = open_store(store_path)
+        store.put_asset(NAME, str(report["internalized_text"]), note="from --reuse_prompt")
+        store.close()
+    else:
+        report = prompt_stage(args, store_path, train_tasks, held_out)
+    (args.runs / "prompt.json").write_text(json.dumps(report, indent=1))
     prompt_s = time.perf_counter() - started
     report["success_internalized_zero_shot"] = train_stage(
         args, "internalized", store_path, True, train_tasks, held_out

@@ -145,6 +145,7 @@ def test_assets_bench_runs_end_to_end_on_a_tiny_model(tiny_model_dir: Path, tmp_
         "--lr", "3e-4", "--steps", "2", "--train_tasks", "8", "--eval_tasks", "8",
         "--rounds", "1", "--candidates", "2", "--tasks_per_step", "2", "--group_size", "2",
         "--concurrency", "4", "--runs", str(tmp_path / "runs"), "--proposer", "llm",
+        "--engine", "hf",
     ]  # fmt: skip
     out = subprocess.run(args, capture_output=True, text=True, timeout=600, env=os.environ)
     assert out.returncode == 0, out.stderr[-3000:]
@@ -155,3 +156,5 @@ def test_assets_bench_runs_end_to_end_on_a_tiny_model(tiny_model_dir: Path, tmp_
     assert keys <= set(report) and report["proposer"] == "llm:policy" and report["rounds"] == 1
     metrics = (tmp_path / "runs" / "internalized" / "metrics.jsonl").read_text()
     assert '"assets/carried": 1.0' in metrics and '"assets/carried": 0.0' in metrics
+    prompt = json.loads((tmp_path / "runs" / "prompt.json").read_text())
+    assert prompt["success_seed"] == report["success_seed"]
