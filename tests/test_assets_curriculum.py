@@ -15,7 +15,7 @@ from tracerl.agents import AgentResult
 from tracerl.assets.config import CurriculumConfig
 from tracerl.assets.curriculum import Curriculum
 from tracerl.store import SqliteStore
-from tracerl.types import Task
+from tracerl.types import UNASSISTED, Task
 
 
 def test_the_probability_falls_linearly_then_stays() -> None:
@@ -101,6 +101,11 @@ def test_a_training_run_withdraws_the_asset_and_evaluates_without_it(
             assert span.assets == ({"fmt": 1} if carried else {})
             first = span.messages[0]
             assert (first == {"role": "system", "content": text}) == carried
+            # distill (the default): a carried call's prompt without the asset is recorded,
+            # shorter by the system turn the asset added
+            plain = span.response.get(UNASSISTED)
+            assert (plain is not None) == carried
+            assert plain is None or len(plain) < len(span.prompt_ids)
     store.close()
     metrics = [json.loads(line) for line in (tmp_path / "skill0" / "metrics.jsonl").open()]
     steps = [m for m in metrics if "assets/carried" in m]

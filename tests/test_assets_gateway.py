@@ -22,7 +22,7 @@ from tracerl.gateway import Gateway, ServedModel, create_app
 from tracerl.gateway.remote import RemoteModel
 from tracerl.server import BackgroundServer, serve_in_thread, serving
 from tracerl.store.sqlite import SqliteStore
-from tracerl.types import SamplingParams, Task
+from tracerl.types import UNASSISTED, SamplingParams, Task
 
 TOOLS = [{"type": "function", "function": {"name": "calculator", "parameters": {
     "type": "object", "properties": {"expression": {"type": "string"}}}}}]  # fmt: skip
@@ -45,14 +45,19 @@ class SeenEngine(ScriptedEngine):
 Served = tuple[BackgroundServer, SqliteStore, SeenEngine]
 
 
-def _serve(tiny_model_dir: Path, store: SqliteStore, uses: dict[str, AssetUse]) -> Served:
+def _serve(
+    tiny_model_dir: Path,
+    store: SqliteStore,
+    uses: dict[str, AssetUse],
+    unassisted: tuple[str, ...] = (),
+) -> Served:
     tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
     engine = SeenEngine(tokenizer)
     models = {
         "policy": ServedModel("policy", engine, tokenizer),
         "critic": ServedModel("critic", engine, tokenizer),
     }
-    gateway = Gateway(store, models, assets=uses)
+    gateway = Gateway(store, models, assets=uses, unassisted=unassisted)
     return serve_in_thread(create_app(gateway)), store, engine
 
 
@@ -239,3 +244,23 @@ def test_a_remote_roles_forwarded_request_carries_the_asset(
     assert seen[0]["seed"] == 5
     (span,) = store.spans(rid)
     assert span.assets == {"format": 1} and json.dumps(span.messages).count("Digits only.") == 1
+
+
+def test_a_distilled_assets_calls_record_the_prompt_without_it(
+    tiny_model_dir: Path, store: SqliteStore
+) -> None:
+    """GatewayConfig.unassisted: a call carrying the asset also records the ids of the
+    agent's own request (what a distilling curriculum trains on); one without it does not."""
+    store.put_asset("format", "Answer with the number alone.")
+    server, _, engine = _serve(tiny_model_dir, store, {}, unassisted=("format",))
+    messages = [{"role": "system", "content": AGENT_SYSTEM}, QUESTION]
+    try:
+        carried, withheld = _rollout(store, {"format": 1}), _rollout(store, {"format": 0})
+        for rid in (carried, withheld):
+            _client(server.url, rid).chat.completions.create(model="policy", messages=messages)
+    finally:
+        server.stop()
+    with_asset, without = store.spans(carried)[0], store.spans(withheld)[0]
+    assert with_asset.assets == {"format": 1} and _system(engine, 0) != AGENT_SYSTEM
+    assert with_asset.response[UNASSISTED] == without.prompt_ids != with_asset.prompt_ids
+    assert UNASSISTED not in without.response

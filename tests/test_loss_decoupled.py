@@ -279,3 +279,27 @@ def test_trainer_reports_masking_and_entropy_selection(tiny_model_dir: Path) -> 
     plain = Trainer(tiny_model_dir, TrainerConfig(bf16=False)).train(rows)
     assert plain.entropy is None and plain.entropy_kept_fraction == 1.0
     assert plain.is_masked_fraction == 0.0
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_an_unknown_behaviour_log_prob_is_weighted_as_the_proximal_policys(mode) -> None:
+    """NaN behaviour (a token distilled from another prompt): the loss, its gradient and
+    metrics are those of behaviour = proximal, on those tokens only, and all finite."""
+    logp, adv, mask = random_batch(2)
+    old = logp - 0.3 * torch.rand(logp.shape, generator=torch.Generator().manual_seed(3))
+    beh = old - 0.2  # a stale behaviour policy elsewhere
+    beh_nan = beh.clone()
+    beh_nan[1] = math.nan  # row 1: sampled under another prompt
+    want_beh = beh.clone()
+    want_beh[1] = old[1]
+    cfg = LossConfig(is_mode=mode)
+    cur = logp.clone().requires_grad_(True)
+    loss, m = policy_loss(cur, old, beh_nan, adv, mask, cfg)
+    loss.backward()
+    ref = logp.clone().requires_grad_(True)
+    want, want_m = policy_loss(ref, old, want_beh, adv, mask, cfg)
+    want.backward()
+    assert math.isfinite(loss.item()) and loss.item() == pytest.approx(want.item(), rel=1e-12)
+    assert torch.allclose(cur.grad, ref.grad, rtol=1e-12, atol=1e-15)
+    assert m.tis_ratio_mean == pytest.approx(want_m.tis_ratio_mean)
+    assert math.isfinite(m.approx_kl) and m.approx_kl == pytest.approx(want_m.approx_kl)

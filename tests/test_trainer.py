@@ -133,16 +133,16 @@ def test_greedy_calls_mixed_into_training_data_train_with_finite_loss(
 def test_a_non_finite_loss_never_reaches_the_optimizer(
     tiny_model_dir: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
-    """A step whose loss is NaN (a corrupt behaviour log-prob here) is skipped, counted and
-    warned about; the weights and the optimizer are left as they were."""
+    """A step whose loss is NaN (a corrupt advantage here; a NaN behaviour log-prob means
+    unknown, and is weighted as the proximal policy's) is skipped, counted and warned about;
+    the weights and the optimizer are left as they were."""
     base = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
     rows = _rows(base.config.vocab_size)
     bad = rows[1]
     k = bad.loss_mask.index(1)
     poisoned = bad.model_copy(
-        update={"behaviour_logprobs": [*bad.behaviour_logprobs[:k], math.nan,
-                                       *bad.behaviour_logprobs[k + 1 :]]}
-    )  # fmt: skip
+        update={"advantages": [*bad.advantages[:k], math.nan, *bad.advantages[k + 1 :]]}
+    )
     trainer = Trainer(tiny_model_dir, TrainerConfig(lr=1e-2, bf16=False))
     before = {k: v.clone() for k, v in trainer.model.state_dict().items()}
     with caplog.at_level(logging.WARNING, logger="tracerl.trainer"):

@@ -249,3 +249,21 @@ def test_n_choices_recorded_by_the_gateway_train_only_the_kept_ones(
     (row,) = rollout_rows(f, Group(id="g", task=task, rollouts=[f]))
     assert row.span_ids == [went_on.id, returned.id] and row.reward == 1.0
     assert row.input_ids == returned.prompt_ids + returned.completion_ids
+
+
+def test_a_distilled_call_trains_its_completion_on_the_prompt_without_the_asset() -> None:
+    """A span that recorded its prompt without its assets (an asset curriculum's, when it
+    distills) is trained there, its behaviour log-probs unknown (NaN); others as sampled."""
+    import math
+
+    from tracerl.types import UNASSISTED
+
+    carried = span(0, [1, 2, 3, 4, 5], [10, 11, 99]).model_copy(
+        update={"response": {UNASSISTED: [1, 5]}}
+    )
+    (row,) = spans_to_transitions([carried], 1.0, group_id="g", task_id="t")
+    assert row.input_ids == [1, 5, 10, 11, 99] and row.loss_mask == [0, 0, 1, 1, 1]
+    assert row.behaviour_logprobs[:2] == [0.0, 0.0]
+    assert all(math.isnan(x) for x in row.behaviour_logprobs[2:])
+    (plain,) = spans_to_transitions([span(0, [1, 5], [10])], 1.0, group_id="g", task_id="t")
+    assert plain.behaviour_logprobs == [0.0, 0.0, -1.0]

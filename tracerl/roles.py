@@ -246,3 +246,7 @@ class GatewayConfig(BaseModel):
     system message of every chat call, before templating, e.g. '{"format": {"mode":
     "append", "roles": ["policy"]}}' (version: a pinned one; default the current one, per
     rollout attempt). A rollout's own assets override the versions; spans record them."""
+    unassisted: list[str] = []
+    """Assets whose calls also record, on their spans, the prompt's ids without any asset:
+    the context an asset curriculum distills into (`tracerl train` adds its curriculum's
+    asset when `assets.curriculum.distill` is on). Costs a second render per such call."""

@@ -198,7 +198,8 @@ def start_multi_stack(
     names = gateway_cfg or GatewayConfig()
     gateway = Gateway(store, served, remote=remote, aliases=names.model_aliases,
                       default_model=names.default_model, record=names.record,
-                      session_idle_s=names.session_idle_s, assets=names.assets)  # fmt: skip
+                      session_idle_s=names.session_idle_s, assets=names.assets,
+                      unassisted=names.unassisted)  # fmt: skip
     # Without keys, Host names the server answers to: loopback ones and the one it listens on
     # (a cluster's gateway_host, which its runners call it by).
     app = create_app(gateway, keys=keys, limits=limits, hosts=[host])

@@ -22,6 +22,7 @@ __all__ = [
     "REWARD_ERROR",
     "REWARD_LIMIT",
     "SEED_LIMIT",
+    "UNASSISTED",
     "VALID_TRANSITIONS",
     "FinishedRollout",
     "Generation",
@@ -296,6 +297,13 @@ engine replica in service (a 503 `engine_unavailable`). What the agent made of t
 says nothing of the policy, so the runner re-runs such an attempt instead of finishing it."""
 
 
+UNASSISTED = "unassisted_prompt_ids"
+"""Key of a span's response holding the prompt's ids without its assets, which the gateway
+records for the assets it is told to (GatewayConfig.unassisted: an asset curriculum's, when
+it distills). A row built from such a span trains its completion on that prompt instead of
+the one it was sampled with (algorithms/transitions.py)."""
+
+
 class FinishedRollout(_Record):
     """A finished rollout as the training side sees it, read from the store once: the
     record, and the spans and rewards of its last attempt (none for a rollout without an
@@ -426,7 +434,8 @@ class Transition(_Record):
     """1 exactly on tokens the policy sampled, 0 on prompt, tool and user context."""
     behaviour_logprobs: list[float]
     """Log-prob of each sampled token under the policy that sampled it; 0.0 where the
-    mask is 0."""
+    mask is 0; NaN where unknown (trained under another prompt than it was sampled with:
+    the trainer weights it as sampled by the proximal policy)."""
     versions: list[int]
     """Policy version that sampled each token; -1 where the mask is 0."""
     advantages: list[float]

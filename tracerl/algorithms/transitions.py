@@ -27,13 +27,20 @@ one a step reward of its own: it is then a row whose return is that reward alone
 
 A span without tokens (a frozen role served by a remote OpenAI-compatible URL records text
 only) cannot be trained and makes no row.
+
+A span whose prompt the gateway also recorded without its assets (types.UNASSISTED: an asset
+curriculum that distills) is trained on that prompt: its completion, sampled with the asset,
+is what the policy should say without it (context distillation). Its behaviour log-probs
+were taken under the other prompt, so they become NaN, unknown: the trainer weights those
+tokens as if the proximal policy had sampled them (trainer/loss.py).
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
-from tracerl.types import Span, Transition, effective_temperature
+from tracerl.types import UNASSISTED, Span, Transition, effective_temperature
 
 __all__ = ["spans_to_transitions"]
 
@@ -131,6 +138,16 @@ def _left_aside(spans: list[Span], answer: str | None) -> set[str]:
     return out
 
 
+def _unassisted(span: Span) -> Span:
+    """The span as trained: on its prompt without assets when that was recorded (module doc)."""
+    ids = span.response.get(UNASSISTED)
+    if not isinstance(ids, list) or not span.completion_ids:
+        return span
+    plain = [int(i) for i in ids if isinstance(i, int)]
+    nan = [math.nan] * len(span.completion_ids)
+    return span.model_copy(update={"prompt_ids": plain, "logprobs": nan, "prefix_reused": 0})
+
+
 def spans_to_transitions(
     spans: list[Span],
     reward: float,
@@ -156,6 +173,7 @@ def spans_to_transitions(
         raise ValueError(f"spans of one rollout attempt expected, got {sorted(rollout_ids)}")
     steps, roles = step_rewards or {}, role_rewards or {}
     aside = _left_aside(spans, answer)
+    spans = [_unassisted(s) for s in spans]
     by_role: dict[str, dict[str | None, list[Span]]] = {}
     for span in sorted(spans, key=lambda s: s.seq):
         if span.completion_ids and span.id not in aside:

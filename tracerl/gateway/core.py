@@ -22,7 +22,7 @@ from __future__ import annotations
 import asyncio
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, TypeVar
 
@@ -87,6 +87,7 @@ class Gateway:
         record: Record = "all",
         session_idle_s: float = 300.0,
         assets: dict[str, AssetUse] | None = None,
+        unassisted: Collection[str] = (),
     ) -> None:
         self.store = store
         self.models = models
@@ -119,6 +120,9 @@ class Gateway:
         self.context = AssetContext(store, assets or {}, self.store_executor, memory)
         """The assets each call's prompt carries, and its seed (gateway/assets.py)."""
         self.context.check()
+        self.unassisted = frozenset(unassisted)
+        """Assets whose calls also record the prompt's ids without any asset (its span's
+        response["unassisted_prompt_ids"]): the context a curriculum distills into."""
         self.recorder = SpanRecorder(store, memory, self.store_executor)
         self.sessions = (
             Sessions(store, self.store_executor, session_idle_s, lease_s=3 * session_idle_s)
@@ -200,10 +204,15 @@ class Gateway:
             raise GatewayError(400, why, param=param)
         rollout = await self.recorder.rollout(target)
         parent_id = await self.recorder.parent(rollout, parent)
+        asked = req
         req, assets = await self.context.chat(req, role, rollout)
         span_id = uuid.uuid4().hex
         thread = None
         inline = inline_chat(req)
+        unassisted = None
+        if rollout is not None and not self.unassisted.isdisjoint(assets):
+            _, _, plain = await self._tokenize(chat_prompt, served, asked, None, inline=inline)
+            unassisted = plain.ids
         if rollout is None:
             key = None
             messages, tools, prompt = await self._tokenize(
@@ -222,7 +231,7 @@ class Gateway:
             params = await self._tokenize(constrained, served, req, tools, params)
         return Pending(
             served, req.model, rollout, parent_id, key, thread, messages, tools, prompt, params,
-            req.n, "chatcmpl", span_id, assets,
+            req.n, "chatcmpl", span_id, assets, unassisted,
         )  # fmt: skip
 
     def _threads(self, rollout: Rollout, parent_id: str | None) -> tuple[list[Thread], str | None]:
@@ -267,7 +276,7 @@ class Gateway:
             engine = p.served.engine
             eos = getattr(engine, "grammar_eos_token_ids", engine.eos_token_ids)
             call = Call(span_id, role, p.parent_id, p.messages, p.prompt, p.params, latency, eos,
-                        p.thread, p.assets)  # fmt: skip
+                        p.thread, p.assets, p.unassisted)  # fmt: skip
             await self.recorder.record(p.rollout, call, choices)
         return Served(
             id=f"{p.kind}-{span_id}",

@@ -44,6 +44,7 @@ from tracerl.gateway.writer import SpanWriter
 from tracerl.store import LeaseLost, LocalStore, NotFound, Store, StoreError
 from tracerl.types import (
     ENGINE_OUTAGE,
+    UNASSISTED,
     ChoiceOf,
     Reward,
     Rollout,
@@ -81,6 +82,8 @@ class Call:
     """The call's thread (threads.py); None for raw completions."""
     assets: dict[str, int] = field(default_factory=dict)
     """The assets in its prompt, name -> version (gateway/assets.py)."""
+    unassisted: list[int] | None = None
+    """The prompt's ids without its assets, when recorded (Gateway.unassisted)."""
 
 
 class SpanRecorder:
@@ -277,6 +280,8 @@ def _response(call: Call, c: Choice, n: int) -> dict[str, Any]:
     }
     if n > 1:
         response["choice"] = ChoiceOf(call=call.span_id, index=c.index, of=n).model_dump()
+    if call.unassisted is not None:  # the context an asset curriculum distills into
+        response[UNASSISTED] = call.unassisted
     if call.prompt.tool_rendering is not None:  # how the request's tools reached the model
         response["tool_rendering"] = call.prompt.tool_rendering
     grammar = getattr(call.params, "grammar", None)

@@ -140,6 +140,9 @@ class Pending:
     """Id of its first choice's span, chosen up front so a stream's first chunk carries it."""
     assets: dict[str, int] = field(default_factory=dict)
     """The assets in its prompt, name -> version (gateway/assets.py)."""
+    unassisted: list[int] | None = None
+    """The prompt's ids without its assets, when the gateway records them for an asset
+    (GatewayConfig.unassisted): what a curriculum's distillation trains on."""
 
 
 @dataclass

@@ -154,6 +154,15 @@ def make_source(
     )  # fmt: skip
 
 
+def gateway_config(cfg: TrainConfig) -> GatewayConfig:
+    """The run's gateway settings: with a distilling curriculum, its asset's calls also
+    record their prompt without it (the context the rows train on)."""
+    c = cfg.assets.curriculum
+    if c is None or not c.distill or c.name in cfg.gateway.unassisted:
+        return cfg.gateway
+    return cfg.gateway.model_copy(update={"unassisted": [*cfg.gateway.unassisted, c.name]})
+
+
 def make_curriculum(cfg: TrainConfig, store: Store, step: Callable[[], int]) -> Curriculum | None:
     """The run's asset curriculum (None without one), carrying the configured version or
     the current one; ValueError naming the store when the asset is not in it."""
@@ -273,7 +282,7 @@ def train(
         remote = remote_roles(cfg.roles, cfg.reply_format())
         stack = start_roles_stack(
             specs, remote, store, cfg.engine, cfg.cluster.gateway_host,
-            gateway=cfg.gateway, place=cluster.engine_servers if cluster else None,
+            gateway=gateway_config(cfg), place=cluster.engine_servers if cluster else None,
         )  # fmt: skip
         exits.callback(stack.close)
         log = MetricsLog(run_dir)

@@ -217,7 +217,10 @@ def policy_loss(
     # Zero the unmasked positions first: they may hold padding whose exp overflows.
     logp = torch.where(m_BT, logp_BT, 0.0)
     prox = torch.where(m_BT, proximal_logp_BT.detach(), 0.0)
-    beh = torch.where(m_BT, behaviour_logp_BT.detach(), 0.0)
+    # A NaN behaviour log-prob is unknown (a token trained under another prompt than it was
+    # sampled with: algorithms/transitions.py): weighted as if the proximal policy sampled it.
+    beh_BT = behaviour_logp_BT.detach()
+    beh = torch.where(m_BT, torch.where(beh_BT.isnan(), prox, beh_BT), 0.0)
     adv = torch.where(m_BT, adv_BT, 0.0)
 
     ratio = torch.exp(logp - prox)
