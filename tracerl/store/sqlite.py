@@ -8,8 +8,9 @@ nobody else touches it: every statement runs inside `_tx` (one write transaction
 `_read` (one read), and both hold the store's lock for as long as the connection is in
 use, cursors included. So statements of different threads never interleave on the
 connection, and each write is one short IMMEDIATE transaction: a claim is atomic and two
-claimers never get the same rollout. (`rollout_now` alone reads through a second
-connection, for a caller that must not wait for that lock: the gateway's event loop.)
+claimers never get the same rollout. (`rollout_now` and `append_now` alone use a second
+connection, for a caller that must not wait for that lock: the gateway's event loop;
+sqlite_loop.py.)
 Other processes on the same file are other connections; WAL lets them read while one
 writes, and IMMEDIATE plus busy_timeout makes writers take turns. After `close`
 (idempotent) every call raises StoreError.
@@ -78,6 +79,7 @@ from tracerl.store.schema import (
     with_seq,
 )
 from tracerl.store.sessions import open_sqlite_session
+from tracerl.store.sqlite_loop import LoopConnection
 from tracerl.types import (
     PolicyVersion,
     Reward,
@@ -90,7 +92,7 @@ from tracerl.types import (
 __all__ = ["SqliteStore"]
 
 
-class SqliteStore(SqlAssets):
+class SqliteStore(SqlAssets, LoopConnection):
     """The Store protocol on SQLite; safe to share between threads (see the module doc)."""
 
     _assets_sql = AssetSql("?")  # IMMEDIATE transactions: puts take turns
@@ -103,10 +105,7 @@ class SqliteStore(SqlAssets):
         # Reentrant so that a nested _tx fails loudly in SQLite instead of deadlocking.
         self._lock = threading.RLock()
         self._closed = False
-        self._now: sqlite3.Connection | None = None
-        """The connection of rollout_now and append_now (calls that never wait), opened on
-        the first of them (under _now_lock)."""
-        self._now_lock = threading.Lock()
+        self._init_loop_connection()
         self._db.execute("PRAGMA busy_timeout = 10000")  # another process may hold the file
         self._db.execute("PRAGMA journal_mode = WAL")
         # NORMAL under WAL: a committed write survives a process crash, not a power cut.
@@ -243,72 +242,6 @@ class SqliteStore(SqlAssets):
     def get_rollout(self, rollout_id: str) -> Rollout:
         with self._read() as db:
             return self._get(db, rollout_id)
-
-    def rollout_now(self, rollout_id: str) -> Rollout | None:
-        """LocalStore.rollout_now: read on a second connection of its own, which under WAL
-        sees the last commit without waiting for a writer; it never waits (busy_timeout 0,
-        its lock only tried), and an in-memory store has no second connection: None."""
-        with self._now_db() as db:
-            if db is None:
-                return None
-            try:
-                return self._get(db, rollout_id)
-            except sqlite3.OperationalError as e:  # busy (a checkpoint, a recovery)
-                _raise_unless_busy(e)
-                return None
-
-    def append_now(self, spans: list[Span]) -> list[int] | None:
-        """LocalStore.append_now: append_spans on the second connection, whose BEGIN
-        IMMEDIATE fails at once (None) when another connection or process is writing. It
-        never checkpoints the WAL itself (a checkpoint syncs the disk): `checkpoint` does,
-        and so do this process's other writes."""
-        rows = [span_row(s) for s in spans]
-        with self._now_db() as db:
-            if db is None:
-                return None
-            try:
-                db.execute("BEGIN IMMEDIATE")
-            except sqlite3.OperationalError as e:
-                _raise_unless_busy(e)
-                return None
-            try:
-                seqs = self._append(db, spans, rows)
-                db.execute("COMMIT")
-            except BaseException:
-                if db.in_transaction:
-                    db.execute("ROLLBACK")
-                raise
-            return seqs
-
-    def checkpoint(self) -> None:
-        """LocalStore.checkpoint: copy the WAL's pages into the database file, without
-        waiting for readers (PASSIVE)."""
-        with self._read() as db:
-            db.execute("PRAGMA wal_checkpoint(PASSIVE)")
-
-    @contextmanager
-    def _now_db(self) -> Iterator[sqlite3.Connection | None]:
-        """The second connection, held by this thread alone; None when another thread holds
-        it or the store is in memory."""
-        if self._closed:
-            raise StoreError(f"the store {self.path} is closed")
-        if not self._now_lock.acquire(blocking=False):
-            yield None
-            return
-        try:
-            yield self._now or self._open_now()
-        finally:
-            self._now_lock.release()
-
-    def _open_now(self) -> sqlite3.Connection | None:
-        if self.path in ("", ":memory:"):
-            return None
-        self._now = sqlite3.connect(self.path, check_same_thread=False, isolation_level=None)
-        self._now.execute("PRAGMA busy_timeout = 0")
-        self._now.execute("PRAGMA synchronous = NORMAL")
-        self._now.execute("PRAGMA foreign_keys = ON")
-        self._now.execute("PRAGMA wal_autocheckpoint = 0")
-        return self._now
 
     def finish(
         self,
@@ -486,16 +419,7 @@ class SqliteStore(SqlAssets):
             if not self._closed:
                 self._closed = True
                 self._db.close()
-        with self._now_lock:
-            if self._now is not None:
-                self._now.close()
-                self._now = None
-
-
-def _raise_unless_busy(e: sqlite3.OperationalError) -> None:
-    """Raise `e` unless it says the file is busy (then the caller tries on a thread)."""
-    if "locked" not in str(e) and "busy" not in str(e):
-        raise e
+        self._close_loop_connection()
 
 
 if TYPE_CHECKING:  # mypy checks every signature against the Store protocols
