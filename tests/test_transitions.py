@@ -253,7 +253,8 @@ def test_n_choices_recorded_by_the_gateway_train_only_the_kept_ones(
 
 def test_a_distilled_call_trains_its_completion_on_the_prompt_without_the_asset() -> None:
     """A span that recorded its prompt without its assets (an asset curriculum's, when it
-    distills) is trained there, its behaviour log-probs unknown (NaN); others as sampled."""
+    distills) makes its row as sampled, and with `unassisted` a row on that prompt, its
+    behaviour log-probs unknown (NaN); a span that recorded none makes no such row."""
     import math
 
     from tracerl.types import UNASSISTED
@@ -261,9 +262,39 @@ def test_a_distilled_call_trains_its_completion_on_the_prompt_without_the_asset(
     carried = span(0, [1, 2, 3, 4, 5], [10, 11, 99]).model_copy(
         update={"response": {UNASSISTED: [1, 5]}}
     )
-    (row,) = spans_to_transitions([carried], 1.0, group_id="g", task_id="t")
+    (sampled,) = spans_to_transitions([carried], 1.0, group_id="g", task_id="t")
+    assert sampled.input_ids == [1, 2, 3, 4, 5, 10, 11, 99]
+    (row,) = spans_to_transitions([carried], 1.0, group_id="g", task_id="t", unassisted=True)
     assert row.input_ids == [1, 5, 10, 11, 99] and row.loss_mask == [0, 0, 1, 1, 1]
     assert row.behaviour_logprobs[:2] == [0.0, 0.0]
     assert all(math.isnan(x) for x in row.behaviour_logprobs[2:])
-    (plain,) = spans_to_transitions([span(0, [1, 5], [10])], 1.0, group_id="g", task_id="t")
-    assert plain.behaviour_logprobs == [0.0, 0.0, -1.0]
+    plain = span(0, [1, 5], [10])
+    assert spans_to_transitions([plain], 1.0, group_id="g", task_id="t", unassisted=True) == []
+
+
+def test_distilled_rows_teach_the_successes_of_carried_rollouts_only() -> None:
+    """rows_for: every rollout's rows as sampled (GRPO over them alone), then each carried
+    rollout's reply again on its prompt without the asset, with its rollout's advantage
+    when positive; a failure, or a rollout that carried nothing, adds no such row."""
+    from tracerl.algorithms import GRPO
+    from tracerl.algorithms.rows import rows_for
+    from tracerl.types import UNASSISTED, FinishedRollout, Group, Rollout, RolloutStatus, Task
+
+    def finished(rid: str, reward: float, carried: bool) -> FinishedRollout:
+        s = span(0, [1, 2, 3, 4], [10, 11], rollout_id=rid)
+        if carried:
+            s = s.model_copy(update={"response": {UNASSISTED: [1, 4]}})
+        rollout = Rollout(id=rid, task_id="t", status=RolloutStatus.succeeded, attempt=1,
+                          reward=reward)  # fmt: skip
+        return FinishedRollout(rollout=rollout, spans=[s])
+
+    spec = (("win", 1.0, True), ("lose", 0.0, True), ("plain", 1.0, False), ("no", 0.0, False))
+    groups = [Group(id="g", task=Task(id="t", input={}), rollouts=[finished(*s) for s in spec])]
+    rows = rows_for(groups, GRPO())
+    sampled, distilled = rows[:4], rows[4:]
+    assert [r.rollout_id for r in sampled] == ["win", "lose", "plain", "no"]
+    assert all(len(r.input_ids) == 6 for r in sampled)
+    (row,) = distilled
+    win = sampled[0].advantages[-1]
+    assert row.rollout_id == "win" and win > 0 and row.input_ids == [1, 4, 10, 11]
+    assert row.advantages == [0.0, 0.0, win, win]

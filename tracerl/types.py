@@ -300,8 +300,8 @@ says nothing of the policy, so the runner re-runs such an attempt instead of fin
 UNASSISTED = "unassisted_prompt_ids"
 """Key of a span's response holding the prompt's ids without its assets, which the gateway
 records for the assets it is told to (GatewayConfig.unassisted: an asset curriculum's, when
-it distills). A row built from such a span trains its completion on that prompt instead of
-the one it was sampled with (algorithms/transitions.py)."""
+it distills). Such a span also makes a row on that prompt, its completion taught there
+(algorithms/rows.py `distilled`, transitions.py)."""
 
 
 class FinishedRollout(_Record):

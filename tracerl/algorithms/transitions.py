@@ -28,11 +28,12 @@ one a step reward of its own: it is then a row whose return is that reward alone
 A span without tokens (a frozen role served by a remote OpenAI-compatible URL records text
 only) cannot be trained and makes no row.
 
-A span whose prompt the gateway also recorded without its assets (types.UNASSISTED: an asset
-curriculum that distills) is trained on that prompt: its completion, sampled with the asset,
-is what the policy should say without it (context distillation). Its behaviour log-probs
-were taken under the other prompt, so they become NaN, unknown: the trainer weights those
-tokens as if the proximal policy had sampled them (trainer/loss.py).
+With `unassisted`, only the spans whose prompt the gateway also recorded without its assets
+(types.UNASSISTED: an asset curriculum that distills) make rows, on that prompt: their
+completions, sampled with the asset, are what the policy should say without it (context
+distillation; algorithms/rows.py decides their advantages). Their behaviour log-probs were
+taken under the other prompt, so they become NaN, unknown: the trainer weights those tokens
+as if the proximal policy had sampled them (trainer/loss.py).
 """
 
 from __future__ import annotations
@@ -139,10 +140,9 @@ def _left_aside(spans: list[Span], answer: str | None) -> set[str]:
 
 
 def _unassisted(span: Span) -> Span:
-    """The span as trained: on its prompt without assets when that was recorded (module doc)."""
+    """A distilled span as trained: on its prompt without assets (module doc)."""
     ids = span.response.get(UNASSISTED)
-    if not isinstance(ids, list) or not span.completion_ids:
-        return span
+    assert isinstance(ids, list)
     plain = [int(i) for i in ids if isinstance(i, int)]
     nan = [math.nan] * len(span.completion_ids)
     return span.model_copy(update={"prompt_ids": plain, "logprobs": nan, "prefix_reused": 0})
@@ -157,6 +157,7 @@ def spans_to_transitions(
     group_id: str,
     task_id: str,
     answer: str | None = None,
+    unassisted: bool = False,
 ) -> list[Transition]:
     """Turn the spans of one rollout attempt into training rows, one or more per role.
 
@@ -164,7 +165,8 @@ def spans_to_transitions(
     thread's first call, then of their own; then a row for each choice left aside that has
     a step reward. `step_rewards` maps a span seq to a reward added to its row's return;
     `role_rewards` maps a role to the final reward its rows take instead of `reward`;
-    `answer` (the rollout's) tells which choice of a final n > 1 call was returned.
+    `answer` (the rollout's) tells which choice of a final n > 1 call was returned;
+    `unassisted`: the rows of its distilled spans instead (module doc).
     """
     if not spans:
         return []
@@ -173,7 +175,10 @@ def spans_to_transitions(
         raise ValueError(f"spans of one rollout attempt expected, got {sorted(rollout_ids)}")
     steps, roles = step_rewards or {}, role_rewards or {}
     aside = _left_aside(spans, answer)
-    spans = [_unassisted(s) for s in spans]
+    if unassisted:
+        spans = [_unassisted(s) for s in spans if isinstance(s.response.get(UNASSISTED), list)]
+        if not spans:
+            return []
     by_role: dict[str, dict[str | None, list[Span]]] = {}
     for span in sorted(spans, key=lambda s: s.seq):
         if span.completion_ids and span.id not in aside:
@@ -186,7 +191,9 @@ def spans_to_transitions(
             for row in _merge_thread(thread_spans):
                 ret = final + sum(steps.get(seq, 0.0) for seq in row.seqs)
                 out.append(_freeze(row, rid, group_id, task_id, ret))
-    rewarded = [s for s in spans if s.id in aside and s.seq in steps and s.completion_ids]
+    rewarded = [] if unassisted else [
+        s for s in spans if s.id in aside and s.seq in steps and s.completion_ids
+    ]  # fmt: skip
     for span in sorted(rewarded, key=lambda s: s.seq):  # the agent's own reward, alone
         (row,) = _merge_thread([span])
         out.append(_freeze(row, rid, group_id, task_id, steps[span.seq]))

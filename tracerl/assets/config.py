@@ -46,11 +46,11 @@ class CurriculumConfig(BaseModel):
     seed: int = 0
     """Seed of the per-rollout draws."""
     distill: bool = True
-    """Train a carried rollout's replies on the prompt without the asset (the gateway
-    records its ids: GatewayConfig.unassisted), weighted as if sampled there: the weights
-    learn to answer as the asset told them in the context they are evaluated in. False:
-    on the prompt they were sampled with (on SmolLM2, nothing learned under the asset
-    carried over to prompts without it: README, bench/assets.py)."""
+    """Also train each carried rollout's reply on the prompt without the asset (the gateway
+    records its ids: GatewayConfig.unassisted), with its advantage where positive, weighted
+    as if sampled there: the weights learn to answer as the asset told them in the context
+    they are evaluated in (algorithms/rows.py). False: only as sampled, under the asset
+    (on SmolLM2 nothing learned there carried over to prompts without it: README)."""
 
     def probability(self, step: int) -> float:
         """The chance that a rollout issued at `step` carries the asset."""
