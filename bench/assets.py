@@ -19,7 +19,8 @@ earlier version of this bench asked for a + b alone: 0% in every arm).
    when no candidate beat it on the train tasks).
 3. Two training runs from the same start, the same steps and tasks: one with the asset
    that won (`assets.curriculum`, carried with probability 1 -> 0 over the first 3/4 of
-   the steps), one plain RL without any asset. Both are evaluated on the held-out tasks
+   the steps; it distills: a carried rollout's success is also taught on the prompt without
+   the asset), one plain RL without any asset. Both are evaluated on the held-out tasks
    without the asset: success_internalized_zero_shot, success_rl_no_curriculum (the last
    weights').
 
@@ -27,14 +28,16 @@ Prints a line per stage, then one JSON line: success_none, success_seed, success
 repairs, regressions, p_value, rounds, proposer, success_internalized_zero_shot,
 success_rl_no_curriculum (and accepted, the texts, timings).
 
-Usage: python bench/assets.py [--model DIR] [--device cuda] [--steps 20] [--proposer llm]
+Usage: python bench/assets.py [--model DIR] [--device cuda] [--steps 10] [--proposer llm]
        python bench/assets.py --reuse_prompt runs/bench-assets/prompt.json  # stage 3 only
 The default proposer is `bootstrap` (worked examples from successful traces): the served 135M
 policy, asked to revise a prompt, writes incoherent text. Stages 1-2 write their report to
 RUNS/prompt.json; `--reuse_prompt` trains from one without repeating them. Training uses a
-LoRA adapter (r 16, lr 1e-4) and vLLM when `make vllm` has built it. On a 2-core AVX2 CPU the
-prompt stages take about 15 min; a training step 100-160 s while rollouts carry the optimized
-asset (its worked examples make the prompt long), about 40 s without it.
+LoRA adapter (r 16, lr 3e-4) and vLLM when `make vllm` has built it. On a 2-core AVX2 CPU the
+prompt stages take about 4 min with vLLM (15 with the transformers engine); a curriculum step
+about 3 min while rollouts carry the asset (its rows are trained twice, as sampled and
+distilled, and the asset's worked examples make the prompt long), 40 s without it: the
+whole bench about 40 min.
 Default model: SmolLM2-135M-Instruct (`tracerl models get smollm2-135m-instruct` builds it
 into $TRACERL_HOME/models/). Any local HF model dir works, the tests' tiny ones included
 (`--model DIR --lr 3e-4 --steps 2 --train_tasks 16 --eval_tasks 16 --rounds 1`).
@@ -250,7 +253,7 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--candidates", type=int, default=3)
     p.add_argument("--cases", type=int, default=3, help="failures shown to the proposer")
-    p.add_argument("--steps", type=int, default=20)
+    p.add_argument("--steps", type=int, default=10)
     p.add_argument("--tasks_per_step", type=int, default=8)
     p.add_argument("--group_size", type=int, default=8)
     p.add_argument(
@@ -258,7 +261,7 @@ def main() -> None:
     )
     p.add_argument(
         "--lr", type=float, default=None,
-        help="default: 1e-4 with LoRA, 1e-5 in full (pretrained); the tiny model wants 3e-4",
+        help="default: 3e-4 with LoRA (at 1e-4 nothing carried over in 10 steps), 1e-5 in full",
     )  # fmt: skip
     p.add_argument(
         "--reuse_prompt",
@@ -272,7 +275,7 @@ def main() -> None:
     if args.engine is None:
         args.engine = "vllm" if Path(args.vllm_python).exists() else "hf"
     if args.lr is None:
-        args.lr = 1e-4 if args.lora_r else 1e-5
+        args.lr = 3e-4 if args.lora_r else 1e-5
     started = time.perf_counter()
     train_tasks = make_tasks(args.train_tasks, "train", 0)
     held_out = make_tasks(args.eval_tasks, "eval", args.train_tasks)
