@@ -10,7 +10,7 @@ from __future__ import annotations
 from tracerl.algorithms.advantages import Algorithm, compute_advantages
 from tracerl.algorithms.curation import Curation
 from tracerl.algorithms.transitions import spans_to_transitions
-from tracerl.types import FinishedRollout, Group, Transition, bounded_reward
+from tracerl.types import UNASSISTED, FinishedRollout, Group, Transition, bounded_reward
 
 __all__ = ["distilled", "rollout_rows", "rows_for"]
 
@@ -61,6 +61,8 @@ def distilled(groups: list[Group], rows: list[Transition]) -> list[Transition]:
     out = []
     for g in groups:
         for f in g.with_outcome():
+            if not any(UNASSISTED in s.response for s in f.spans):
+                continue  # most rollouts (every one of a run without a curriculum)
             for row in rollout_rows(f, g, unassisted=True):
                 a = earned.get((row.rollout_id, row.role), 0.0)
                 if a > 0:
