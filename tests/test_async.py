@@ -323,6 +323,27 @@ def test_async_dynamic_sampling_gives_up_on_a_batch_without_signal(stack: Stack)
     assert dropped == source.max_topups * order.per_step
 
 
+def test_a_window_of_finished_groups_drops_no_more_than_the_give_up_count(stack: Stack) -> None:
+    """Regression: when several groups finished between two reads of the window (a loaded
+    machine), one read dropped them all, past max_topups x per_step."""
+    order = TaskOrder(_losing_tasks(8), per_step=2, seed=0)
+    curation = Curation.build(CurationConfig(dynamic_sampling=True), 2, success_threshold=1.0)
+    source = AsyncSource("run", stack.store, stack.agents(), order, curation, lambda: 0,
+                         max_topups=1)  # fmt: skip
+    try:
+        source.start()
+        deadline = time.monotonic() + 30
+        while stack.store.counts().get("succeeded", 0) < 2 * source.window:
+            assert time.monotonic() < deadline, stack.store.counts()
+            time.sleep(0.05)
+        with pytest.raises(NoBatch, match="same reward"):
+            source.batch(0)  # the whole window is complete at its first read
+    finally:
+        source.close()
+    assert curation.metrics()["curation/dropped_zero_variance"] == order.per_step
+    assert len(source.pending) >= source.window - order.per_step  # the rest wait, unread
+
+
 def test_a_stop_is_obeyed_while_a_batch_waits_and_loses_no_group(stack: Stack) -> None:
     order = TaskOrder(_tasks(8), per_step=2, seed=0)
     SLOW.update({t.id: 10.0 for t in _tasks(8) if t.id != order.task(0).id})

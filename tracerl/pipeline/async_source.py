@@ -268,7 +268,7 @@ class AsyncSource:
         self.stats, self._ages = SourceStats(), []
         out: list[Group] = []
         taken: list[_Pending] = []
-        skipped = 0
+        skipped, give_up = 0, self.max_topups * self.order.per_step
         scanned = 0.0  # when every group of the window was last read: never
         while len(out) < self.order.per_step:
             current = self.version()
@@ -289,9 +289,9 @@ class AsyncSource:
                 skipped += not kept
                 out += kept
                 taken += [p] if kept else []
-                if len(out) == self.order.per_step:
-                    break
-            if skipped >= self.max_topups * self.order.per_step:
+                if len(out) == self.order.per_step or skipped >= give_up:
+                    break  # a window read at once must not drop past give_up either
+            if skipped >= give_up:
                 break  # nearly every group is solved or failed: as sync after its top-ups
             if not took:
                 time.sleep(self.poll_s)
