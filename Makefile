@@ -7,7 +7,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: install demo test test-fast lint bench vllm clis system smollm2
+.PHONY: install demo test test-fast lint ruff typecheck pytest-all bench vllm clis system smollm2
 
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -22,9 +22,13 @@ install: $(STAMP)
 demo: install
 	$(BIN)/tracerl demo
 
-lint: install
+lint: ruff typecheck
+
+ruff: install
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
+
+typecheck: install
 	$(BIN)/mypy tracerl
 
 # Every test; a part of the machine a test needs and cannot find is a failure here
@@ -32,10 +36,14 @@ lint: install
 # JOBS pytest workers (pytest-xdist); a file's tests stay on one worker, so a module's
 # servers (vLLM, a Ray cluster) start once.
 # What it installs is independent (apt, .venv, .venv-vllm, .npm-tools), so it installs at once.
+# The type check (a minute on one core) runs beside the tests; ruff, quick, before them.
 JOBS ?= 3
 test:
 	$(MAKE) --no-print-directory -j4 --output-sync=target system install vllm clis
-	$(MAKE) --no-print-directory lint
+	$(MAKE) --no-print-directory ruff
+	$(MAKE) --no-print-directory -j2 typecheck pytest-all
+
+pytest-all: install
 	TRACERL_REQUIRE=all $(BIN)/pytest -q -n $(JOBS) --dist loadfile
 
 # The unit and component tests: no model build, no vLLM, Ray, browser or CLIs, nothing slow.

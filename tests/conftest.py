@@ -8,9 +8,16 @@ from pathlib import Path
 
 import pytest
 
+# pytest-xdist workers share the machine's cores: each worker (and what it starts: training
+# runs, engine servers, model builds) gets one OpenMP thread unless told otherwise. Torch's
+# default of one thread per core, in every worker at once, oversubscribes the cores; on 2
+# cores and 3 workers that cost ~10% of the suite's time, most of it the threads' syncing.
+if int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")) > 1:
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+
 # Imported before any test module loads torch: it sets the OpenMP wait policy, so a bench
 # script's ensure_passive_omp() never re-executes the test process.
-import tracerl  # noqa: F401
+import tracerl  # noqa: E402, F401
 from tests.needs import missing
 
 ROOT = Path(__file__).resolve().parents[1]
