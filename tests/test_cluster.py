@@ -1,23 +1,26 @@
 """A run past one machine: Ray places the runners and trainer ranks (tracerl.cluster).
 
 Each test runs a script of tests/cluster/ against a simulated 2-node Ray cluster (`ray
-start --head` with resource nodeA, `ray start --address` with nodeB) inside network and PID
-namespaces of its own (tests/cluster/netns.py): Ray listens on a machine's external address,
-and in a namespace holding only `lo` there is none. Needs root (unshare), `ip`, `ss`, Ray,
-and the demo's calculator model in $TRACERL_HOME (the fixture builds it once if missing).
+start --head` with resource nodeA, `ray start --address` with nodeB), started once for the
+file, inside network and PID namespaces of its own (tests/cluster/netns.py): Ray listens on
+a machine's external address, and in a namespace holding only `lo` there is none. Needs
+root (unshare), `ip`, `ss`, Ray, and the demo's calculator model in $TRACERL_HOME (the
+fixture builds it once if missing).
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import queue
 import shutil
 import subprocess
 import sys
+import threading
 import time
 from collections import Counter
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -31,6 +34,10 @@ SCRIPTS = ROOT / "tests" / "cluster"
 
 @pytest.fixture(autouse=True)
 def _namespaces() -> None:
+    _can_run_a_cluster()
+
+
+def _can_run_a_cluster() -> None:
     """The cluster runs in namespaces of its own: root, unshare and ss (and Ray) needed."""
     if os.geteuid() != 0 or not shutil.which("unshare") or not shutil.which("ss"):
         missing("ray", "needs root, unshare and ss (the cluster runs in namespaces of its own)")
@@ -45,36 +52,79 @@ def on_a_cluster(test: Callable[..., None]) -> Callable[..., None]:
     return pytest.mark.ray(pytest.mark.slow(test))
 
 
-@contextmanager
-def _in_namespaces(script: str, out: Path) -> Iterator[subprocess.Popen[str]]:
-    """tests/cluster/<script> OUT running against the 2-node cluster; killed on the way out
-    if still running (unshare --kill-child then ends the namespace's PID 1, and the kernel
-    every process of the namespace)."""
-    pytest.importorskip("ray")
-    cmd = [
-        "unshare", "-n", "-p", "-f", "--mount-proc", "--kill-child",
-        sys.executable, str(SCRIPTS / "netns.py"), str(SCRIPTS / script), str(out),
-    ]  # fmt: skip
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, text=True)
-    try:
-        yield proc
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.communicate()
+class Cluster:
+    """The 2-node cluster in namespaces of its own (tests/cluster/netns.py), started once for
+    this file's tests (Ray's start is ~16 s of a quiet machine's time, more under load): each
+    test runs its script on it, in turn. `proc` is the `unshare` process; killing it ends the
+    namespace's PID 1, and the kernel every process of the namespace (--kill-child)."""
+
+    def __init__(self) -> None:
+        cmd = [
+            "unshare", "-n", "-p", "-f", "--mount-proc", "--kill-child",
+            sys.executable, str(SCRIPTS / "netns.py"),
+        ]  # fmt: skip
+        env = {**os.environ, "PYTHONPATH": str(ROOT)}
+        self.proc = subprocess.Popen(
+            cmd, cwd=ROOT, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+        )
+        self.lines: queue.Queue[str] = queue.Queue()
+        threading.Thread(target=self._read, daemon=True).start()
+
+    def _read(self) -> None:
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            self.lines.put(line.strip())
+        self.lines.put("")  # the namespace ended
+
+    def start(self, script: str, out: Path) -> None:
+        """Run tests/cluster/<script> OUT next (netns.py reads one line a script)."""
+        assert self.proc.poll() is None and self.proc.stdin is not None, "the cluster is gone"
+        self.proc.stdin.write(f"{SCRIPTS / script} {out}\n")
+        self.proc.stdin.flush()
+
+    def finish(self, out: Path, timeout_s: float = 540) -> str:
+        """The script's output once it exits 0 (within the tests' own 600 s limit). A script
+        that hangs takes the cluster with it: the tests after it fail, none hangs."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            try:
+                line = self.lines.get(timeout=max(0.0, deadline - time.monotonic()))
+            except queue.Empty:
+                self.close(kill=True)
+                pytest.fail(f"timed out:\n{_log(out)}")
+            if not line:
+                pytest.fail(f"the cluster ended:\n{_log(out)}")
+            if line.startswith("done "):
+                break
+            print(line)  # netns.py's own lines: Ray's start time
+        log = _log(out)
+        assert line == "done 0", log
+        return log
+
+    def close(self, kill: bool = False) -> None:
+        """End of the file: netns.py kills the namespace's processes and exits."""
+        if self.proc.poll() is None and not kill:
+            with contextlib.suppress(BrokenPipeError):
+                self.proc.stdin.close()  # type: ignore[union-attr]
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                self.proc.wait(timeout=60)
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
 
 
-def _finish(proc: subprocess.Popen[str], timeout_s: float = 540) -> str:
-    """Its output, once it exits (within the tests' own 600 s limit)."""
-    try:
-        out, _ = proc.communicate(timeout=timeout_s)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        out, _ = proc.communicate()
-        pytest.fail(f"timed out:\n{out[-3000:]}")
-    assert proc.returncode == 0, out[-3000:]
-    return out
+def _log(out: Path) -> str:
+    path = out / "log.txt"
+    return path.read_text()[-3000:] if path.exists() else "(no log)"
+
+
+@pytest.fixture(scope="module")
+def cluster(calculator_model_dir: Path) -> Iterator[Cluster]:
+    """One cluster for the file. The fault test kills nodeB: it stays the file's last."""
+    _can_run_a_cluster()  # before the autouse check: a module fixture is set up first
+    started = Cluster()
+    yield started
+    started.close()
 
 
 def _descendants(root: int) -> set[int]:
@@ -101,11 +151,11 @@ def _host_listeners() -> set[int]:
     return {int(p.split(",")[0]) for p in out.split("pid=")[1:]}
 
 
-def _wait_for(path: Path, proc: subprocess.Popen[str], timeout_s: float) -> None:
+def _wait_for(path: Path, cluster: Cluster, timeout_s: float) -> None:
     deadline = time.monotonic() + timeout_s
     while not path.exists():
-        if proc.poll() is not None or time.monotonic() > deadline:
-            raise AssertionError(f"{path.name} never appeared")
+        if cluster.proc.poll() is not None or time.monotonic() > deadline:
+            raise AssertionError(f"{path.name} never appeared:\n{_log(path.parent)}")
         time.sleep(0.2)
 
 
@@ -121,15 +171,15 @@ def test_cluster_config_is_off_by_default_and_ray_free() -> None:
 
 @on_a_cluster
 def test_two_nodes_learn_like_one_process_and_listen_on_loopback_only(
-    calculator_model_dir: Path, tmp_path: Path
+    cluster: Cluster, tmp_path: Path
 ) -> None:
-    with _in_namespaces("learn.py", tmp_path) as proc:
-        # Outside the namespace, while the cluster run trains: nothing of ours listens here.
-        _wait_for(tmp_path / "ready.json", proc, timeout_s=400)
-        ours = _descendants(proc.pid)
-        leaked = ours & _host_listeners()
-        (tmp_path / "checked").touch()
-        print(_finish(proc))
+    cluster.start("learn.py", tmp_path)
+    # Outside the namespace, while the cluster run trains: nothing of ours listens here.
+    _wait_for(tmp_path / "ready.json", cluster, timeout_s=400)
+    ours = _descendants(cluster.proc.pid)
+    leaked = ours & _host_listeners()
+    (tmp_path / "checked").touch()
+    print(cluster.finish(tmp_path))
     assert len(ours) > 10, "the namespace's processes were not seen from the host"
     assert not leaked, f"processes of the cluster listen in the host's namespace: {leaked}"
     inside = json.loads((tmp_path / "ready.json").read_text())
@@ -158,42 +208,15 @@ LOOPBACK = {"127.0.0.1", "[::ffff:127.0.0.1]", "[::1]"}
 
 
 @on_a_cluster
-def test_a_node_killed_mid_step_loses_nothing_and_trains_nothing_twice(
-    calculator_model_dir: Path, tmp_path: Path
-) -> None:
-    with _in_namespaces("fault.py", tmp_path) as proc:
-        print(_finish(proc))
-    result = json.loads((tmp_path / "result.json").read_text())
-    kill, rollouts, ledger = result["kill"], result["rollouts"], result["ledger"]
-    assert kill["running"] > 0 and kill["actor_pids"], kill
-    assert result["summary"]["steps"] == 3
-    # 0 lost: every training rollout ended with an outcome, every group complete.
-    statuses = Counter(r["status"] for r in rollouts)
-    assert set(statuses) == {"succeeded"}, statuses
-    groups = Counter(r["group_id"] for r in rollouts)
-    assert set(groups.values()) == {result["group_size"]}
-    # The killed node's rollouts were run again (a dead runner's lease expired).
-    assert any(r["attempt"] > 1 for r in rollouts), "no rollout was re-run after the kill"
-    # 0 trained twice: the ledger names each rollout once, and only finished ones.
-    assert len(ledger) == len(set(ledger)) == 3 * 8 * 4
-    assert set(ledger) <= {r["id"] for r in rollouts}
-    # The metrics saw nodeB's runner go, and nodeA's keep going.
-    first, last = result["metrics"][0], result["metrics"][-1]
-    assert sorted(v for k, v in first.items() if "/runners/" in k) == [1, 1]
-    assert sorted(v for k, v in last.items() if "/runners/" in k) == [0, 1]
-    assert last["cluster/nodes"] == 1
-
-
-@on_a_cluster
 def test_engine_replicas_run_one_per_node_and_serve_each_step_s_weights(
-    calculator_model_dir: Path, tmp_path: Path
+    cluster: Cluster, tmp_path: Path
 ) -> None:
-    with _in_namespaces("engines.py", tmp_path) as proc:
-        _wait_for(tmp_path / "ready.json", proc, timeout_s=400)
-        ours = _descendants(proc.pid)
-        leaked = ours & _host_listeners()
-        (tmp_path / "checked").touch()
-        print(_finish(proc))
+    cluster.start("engines.py", tmp_path)
+    _wait_for(tmp_path / "ready.json", cluster, timeout_s=400)
+    ours = _descendants(cluster.proc.pid)
+    leaked = ours & _host_listeners()
+    (tmp_path / "checked").touch()
+    print(cluster.finish(tmp_path))
     assert not leaked, f"processes of the cluster listen in the host's namespace: {leaked}"
     inside = json.loads((tmp_path / "ready.json").read_text())
     local = [line.split()[3] for line in inside["listen"].splitlines()]
@@ -219,3 +242,31 @@ def test_engine_replicas_run_one_per_node_and_serve_each_step_s_weights(
     # Weight sync reached the remote replicas: step 1 was generated by version 1 only.
     assert result["span_versions"] == {"step0": [0], "step1": [1]}
     assert result["servers_left"] == [], "an engine server outlived the run"
+
+
+@on_a_cluster
+def test_a_node_killed_mid_step_loses_nothing_and_trains_nothing_twice(
+    cluster: Cluster, tmp_path: Path
+) -> None:
+    """The file's last test: nodeB stays dead after it."""
+    cluster.start("fault.py", tmp_path)
+    print(cluster.finish(tmp_path))
+    result = json.loads((tmp_path / "result.json").read_text())
+    kill, rollouts, ledger = result["kill"], result["rollouts"], result["ledger"]
+    assert kill["running"] > 0 and kill["actor_pids"], kill
+    assert result["summary"]["steps"] == 3
+    # 0 lost: every training rollout ended with an outcome, every group complete.
+    statuses = Counter(r["status"] for r in rollouts)
+    assert set(statuses) == {"succeeded"}, statuses
+    groups = Counter(r["group_id"] for r in rollouts)
+    assert set(groups.values()) == {result["group_size"]}
+    # The killed node's rollouts were run again (a dead runner's lease expired).
+    assert any(r["attempt"] > 1 for r in rollouts), "no rollout was re-run after the kill"
+    # 0 trained twice: the ledger names each rollout once, and only finished ones.
+    assert len(ledger) == len(set(ledger)) == 3 * 8 * 4
+    assert set(ledger) <= {r["id"] for r in rollouts}
+    # The metrics saw nodeB's runner go, and nodeA's keep going.
+    first, last = result["metrics"][0], result["metrics"][-1]
+    assert sorted(v for k, v in first.items() if "/runners/" in k) == [1, 1]
+    assert sorted(v for k, v in last.items() if "/runners/" in k) == [0, 1]
+    assert last["cluster/nodes"] == 1

@@ -76,22 +76,30 @@ def calculator_h64() -> Path:
     """A calculator model that calls its tool (SFT on clean demonstrations), with head size
     64; built once into $TRACERL_HOME (~2 min)."""
     os.environ.setdefault("TRACERL_HOME", str(ROOT / ".tracerl"))
-    from tracerl.demo import cache_dir, calculator_demos
+    from tracerl.cache import build_lock, cache_dir
+
+    out = cache_dir() / "models" / "calculator-tiny-h64-skill400-seed0"
+    # Checked under the lock: sft writes config.json before the weights, and the vLLM files'
+    # workers build it once between them.
+    with build_lock(out.name):
+        if not (out / "config.json").exists():
+            _build_calculator_h64(out)
+    return out
+
+
+def _build_calculator_h64(out: Path) -> None:
+    from tracerl.demo import calculator_demos
     from tracerl.models.sft import SftConfig, sft
     from tracerl.models.template import render_chat
     from tracerl.models.tiny import TinyModelConfig, build_tiny_model
 
-    models = cache_dir() / "models"
-    out = models / "calculator-tiny-h64-skill400-seed0"
-    if (out / "config.json").exists():
-        return out
+    models = out.parent
     demos = calculator_demos(4000, seed=1000)
     base = models / "calculator-tiny-h64-base-seed0"
     if not (base / "config.json").exists():
         texts = [render_chat(d.messages, d.tools) for d in demos]
         build_tiny_model(base, texts, TinyModelConfig(num_heads=3))
     sft(base, demos, out, SftConfig(steps=400))
-    return out
 
 
 @pytest.fixture(scope="module")

@@ -141,11 +141,13 @@ def ensure_calculator_model(recipe: CalculatorRecipe | None = None, rebuild: boo
     recipe = recipe or CalculatorRecipe()
     models = cache_dir() / "models"
     out = models / recipe.name()
-    if (out / "config.json").exists() and not rebuild:
+    # sft.json, not config.json: sft writes it after the weights, so a model another process
+    # is still writing is never taken as built.
+    if (out / "sft.json").exists() and not rebuild:
         return out
     # Base, skill and habit stages of one seed and shape share a lock.
     with build_lock(f"calculator{recipe._shape()}-seed{recipe.seed}"):
-        if (out / "config.json").exists() and not rebuild:
+        if (out / "sft.json").exists() and not rebuild:
             return out
         return _build_calculator_model(recipe, models, out, rebuild)
 

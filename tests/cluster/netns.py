@@ -1,14 +1,17 @@
-"""Run a test script against a simulated 2-node Ray cluster, inside namespaces of its own.
+"""Run test scripts against a simulated 2-node Ray cluster, inside namespaces of its own.
 
 Started by tests/test_cluster.py as `unshare -n -p -f --mount-proc --kill-child python
-tests/cluster/netns.py SCRIPT ARGS...` (root): this process is PID 1 of a fresh PID namespace
-in a network namespace holding only `lo`. Ray rewrites 127.0.0.1 to a machine's external
-address and listens there; here there is none, so nothing it starts can listen beyond
-loopback. It brings `lo` up, starts a head node (resource `nodeA`) and a second node
-(`nodeB`) with `ray start`, each with 2 CPUs and a 200 MB object store, runs the script with
-RAY_ADDRESS set, and then kills every process of the namespace by PID (Ray's included;
-never `ray stop`, which kills by name machine-wide). When this process exits the kernel ends
-whatever is left in the namespace, so a failing test leaves nothing behind.
+tests/cluster/netns.py` (root): this process is PID 1 of a fresh PID namespace in a network
+namespace holding only `lo`. Ray rewrites 127.0.0.1 to a machine's external address and
+listens there; here there is none, so nothing it starts can listen beyond loopback. It
+brings `lo` up, starts a head node (resource `nodeA`) and a second node (`nodeB`) with `ray
+start`, each with 2 CPUs and a 200 MB object store, then runs scripts with RAY_ADDRESS set:
+`SCRIPT OUT` given as arguments, one run; else one `SCRIPT OUT` per line of stdin, in turn,
+each script's output into OUT/log.txt and `done RC` on stdout after it (the test file starts
+the cluster once for all its tests). At the end it kills every process of the namespace by
+PID (Ray's included; never `ray stop`, which kills by name machine-wide). When this process
+exits the kernel ends whatever is left in the namespace, so a failing test leaves nothing
+behind.
 """
 
 from __future__ import annotations
@@ -74,8 +77,14 @@ def main() -> int:
         _ray_start(env, temp, "nodeA", head=True)
         _ray_start(env, temp, "nodeB", head=False)
         print(f"netns: 2-node Ray up in {time.perf_counter() - started:.1f}s", flush=True)
-        script, *args = sys.argv[1:]
-        return subprocess.run([sys.executable, script, *args], env=env).returncode
+        if sys.argv[1:]:
+            return subprocess.run([sys.executable, *sys.argv[1:]], env=env).returncode
+        for line in sys.stdin:
+            script, out = line.split()
+            with open(Path(out) / "log.txt", "w") as log:
+                run = subprocess.run([sys.executable, script, out], env=env, stdout=log, stderr=log)
+            print(f"done {run.returncode}", flush=True)
+        return 0
     finally:
         _kill_the_rest()
         shutil.rmtree(temp, ignore_errors=True)

@@ -154,17 +154,22 @@ def build_long_context_model(out: str | Path, cfg: TinyModelConfig = LONG_CONTEX
 
 def ensure_long_context_model(rebuild: bool = False) -> Path:
     """The long-context model, built on first use and cached under $TRACERL_HOME/models/."""
-    from tracerl.demo import cache_dir
+    from tracerl.cache import build_lock, cache_dir
 
     cfg = LONG_CONTEXT
     name = f"long-context-v{cfg.vocab_size}-p{cfg.max_position}-h{cfg.hidden_size}-seed{cfg.seed}"
     out = cache_dir() / "models" / name
-    if rebuild or not (out / "config.json").exists():
-        # Built beside and renamed into place: a half-built model is never found as cached.
-        tmp = out.with_name(f"{out.name}.tmp-{os.getpid()}")
-        build_long_context_model(tmp, cfg)
-        shutil.rmtree(out, ignore_errors=True)
-        tmp.rename(out)
+    if not rebuild and (out / "config.json").exists():
+        return out
+    # One process builds; another that needs it meanwhile (a test worker, a demo) waits for
+    # it rather than building it a second time beside it.
+    with build_lock(name):
+        if rebuild or not (out / "config.json").exists():
+            # Built beside and renamed into place: a half-built model is never found as cached.
+            tmp = out.with_name(f"{out.name}.tmp-{os.getpid()}")
+            build_long_context_model(tmp, cfg)
+            shutil.rmtree(out, ignore_errors=True)
+            tmp.rename(out)
     return out
 
 
