@@ -79,7 +79,7 @@ class Cluster:
     def start(self, script: str, out: Path) -> None:
         """Run tests/cluster/<script> OUT next (netns.py reads one line a script)."""
         assert self.proc.poll() is None and self.proc.stdin is not None, "the cluster is gone"
-        self.proc.stdin.write(f"{SCRIPTS / script} {out}\n")
+        self.proc.stdin.write(json.dumps([str(SCRIPTS / script), str(out)]) + "\n")
         self.proc.stdin.flush()
 
     def finish(self, out: Path, timeout_s: float = 540) -> str:

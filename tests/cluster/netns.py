@@ -6,8 +6,8 @@ namespace holding only `lo`. Ray rewrites 127.0.0.1 to a machine's external addr
 listens there; here there is none, so nothing it starts can listen beyond loopback. It
 brings `lo` up, starts a head node (resource `nodeA`) and a second node (`nodeB`) with `ray
 start`, each with 2 CPUs and a 200 MB object store, then runs scripts with RAY_ADDRESS set:
-`SCRIPT OUT` given as arguments, one run; else one `SCRIPT OUT` per line of stdin, in turn,
-each script's output into OUT/log.txt and `done RC` on stdout after it (the test file starts
+`SCRIPT OUT` given as arguments, one run; else each `[SCRIPT, OUT]` JSON line of stdin in
+turn, its output into OUT/log.txt and `done RC` on stdout after it (the test file starts
 the cluster once for all its tests). At the end it kills every process of the namespace by
 PID (Ray's included; never `ray stop`, which kills by name machine-wide). When this process
 exits the kernel ends whatever is left in the namespace, so a failing test leaves nothing
@@ -80,7 +80,7 @@ def main() -> int:
         if sys.argv[1:]:
             return subprocess.run([sys.executable, *sys.argv[1:]], env=env).returncode
         for line in sys.stdin:
-            script, out = line.split()
+            script, out = json.loads(line)  # paths may hold spaces
             with open(Path(out) / "log.txt", "w") as log:
                 run = subprocess.run([sys.executable, script, out], env=env, stdout=log, stderr=log)
             print(f"done {run.returncode}", flush=True)
