@@ -101,6 +101,17 @@ class Cluster:
         assert line == "done 0", log
         return log
 
+    def run_and_look(self, script: str, out: Path) -> tuple[set[int], set[int]]:
+        """Run `script`; once it writes OUT/ready.json (it trains), look from outside the
+        namespace: the cluster's processes, and those of them listening in the host's."""
+        self.start(script, out)
+        _wait_for(out / "ready.json", self, timeout_s=400)
+        ours = _descendants(self.proc.pid)
+        leaked = ours & _host_listeners()
+        (out / "checked").touch()
+        print(self.finish(out))
+        return ours, leaked
+
     def close(self, kill: bool = False) -> None:
         """End of the file: netns.py kills the namespace's processes and exits."""
         if self.proc.poll() is None and not kill:
@@ -173,13 +184,8 @@ def test_cluster_config_is_off_by_default_and_ray_free() -> None:
 def test_two_nodes_learn_like_one_process_and_listen_on_loopback_only(
     cluster: Cluster, tmp_path: Path
 ) -> None:
-    cluster.start("learn.py", tmp_path)
     # Outside the namespace, while the cluster run trains: nothing of ours listens here.
-    _wait_for(tmp_path / "ready.json", cluster, timeout_s=400)
-    ours = _descendants(cluster.proc.pid)
-    leaked = ours & _host_listeners()
-    (tmp_path / "checked").touch()
-    print(cluster.finish(tmp_path))
+    ours, leaked = cluster.run_and_look("learn.py", tmp_path)
     assert len(ours) > 10, "the namespace's processes were not seen from the host"
     assert not leaked, f"processes of the cluster listen in the host's namespace: {leaked}"
     inside = json.loads((tmp_path / "ready.json").read_text())
@@ -211,12 +217,7 @@ LOOPBACK = {"127.0.0.1", "[::ffff:127.0.0.1]", "[::1]"}
 def test_engine_replicas_run_one_per_node_and_serve_each_step_s_weights(
     cluster: Cluster, tmp_path: Path
 ) -> None:
-    cluster.start("engines.py", tmp_path)
-    _wait_for(tmp_path / "ready.json", cluster, timeout_s=400)
-    ours = _descendants(cluster.proc.pid)
-    leaked = ours & _host_listeners()
-    (tmp_path / "checked").touch()
-    print(cluster.finish(tmp_path))
+    _, leaked = cluster.run_and_look("engines.py", tmp_path)
     assert not leaked, f"processes of the cluster listen in the host's namespace: {leaked}"
     inside = json.loads((tmp_path / "ready.json").read_text())
     local = [line.split()[3] for line in inside["listen"].splitlines()]
