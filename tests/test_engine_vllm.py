@@ -79,10 +79,10 @@ def calculator_h64() -> Path:
     from tracerl.cache import build_lock, cache_dir
 
     out = cache_dir() / "models" / "calculator-tiny-h64-skill400-seed0"
-    # Checked under the lock: sft writes config.json before the weights, and the vLLM files'
-    # workers build it once between them.
+    # Under the lock, the vLLM files' workers build it once between them; sft.json, written
+    # after the weights, says a build finished (config.json comes before them).
     with build_lock(out.name):
-        if not (out / "config.json").exists():
+        if not (out / "sft.json").exists():
             _build_calculator_h64(out)
     return out
 
